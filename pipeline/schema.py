@@ -1,0 +1,51 @@
+"""The canonical transaction schema: the one place that says what a transaction is.
+
+Every dataset directory, every ingest, the generator and the stream's JSON messages use these names and types.
+"""
+
+import polars as pl
+
+SCHEMA_VERSION = 1
+
+REQUIRED_COLUMNS: tuple[str, ...] = ("event_id", "account_id", "ts", "amount", "terminal_id")
+OPTIONAL_COLUMNS: tuple[str, ...] = ("category", "channel", "country")
+LABEL_COLUMNS: tuple[str, ...] = ("is_fraud", "label_ts")
+# Ground truth that only the generator knows: which fraud scenario (or "drift"/"legit") made the event.
+TRUTH_COLUMNS: tuple[str, ...] = ("scenario",)
+
+TIMESTAMP = pl.Datetime("us", "UTC")
+
+TRANSACTION_SCHEMA = pl.Schema(
+    {
+        "event_id": pl.String,
+        "account_id": pl.String,
+        "ts": TIMESTAMP,
+        "amount": pl.Float64,
+        "terminal_id": pl.String,
+        "category": pl.String,
+        "channel": pl.String,
+        "country": pl.String,
+        "is_fraud": pl.Boolean,
+        "label_ts": TIMESTAMP,
+        "scenario": pl.String,
+    }
+)
+
+# Events of one account are ordered by (ts, event_id); the dataset as a whole is stored in that order too.
+EVENT_ORDER: tuple[str, ...] = ("ts", "event_id")
+
+
+def conform(frame: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame | pl.LazyFrame:
+    """Select the canonical columns present in `frame`, in canonical order, cast to canonical types.
+
+    Unknown columns are refused rather than dropped, so nothing disappears without the caller knowing.
+    """
+    names = frame.collect_schema().names()
+    unknown = [n for n in names if n not in TRANSACTION_SCHEMA]
+    if unknown:
+        raise ValueError(f"columns not in the canonical schema: {unknown}; known: {list(TRANSACTION_SCHEMA)}")
+    missing = [n for n in REQUIRED_COLUMNS if n not in names]
+    if missing:
+        raise ValueError(f"required columns missing: {missing}")
+    present = [n for n in TRANSACTION_SCHEMA if n in names]
+    return frame.select(pl.col(n).cast(TRANSACTION_SCHEMA[n]) for n in present)
