@@ -1,0 +1,138 @@
+"""Per-event causal features, defined once.
+
+Both forms — `batch.py` (polars over a dataset) and `stream.py` (a bounded per-account / per-terminal state,
+one micro-batch at a time) — compute the same *raw aggregates* for every event; `derive_features` turns those
+into the model's features. So the formulas live here only, and the two forms can differ only in how they
+aggregate, which the parity test pins down.
+
+Windows are calendar windows of whole UTC days: the "7 day" window of an event on day D holds the events of
+days D-6 .. D up to and including this event (in (ts, event_id) order). A ring of 30 daily buckets per account
+and per terminal reproduces that exactly with bounded state, which a sliding 7x24 h window could not.
+
+Terminal fraud reports count fraud labels of the terminal whose label_ts falls on days D-d+1 .. D and is
+<= the event's ts: only what was known when the event happened.
+"""
+
+import zlib
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+FEATURE_VERSION = 1
+
+DAY_US = 86_400_000_000
+SECOND_US = 1_000_000
+WINDOW_DAYS: tuple[int, ...] = (1, 7, 30)
+RING_DAYS = max(WINDOW_DAYS)
+
+# Terminal ids become embedding rows through a stable hash (crc32, identical in every process and version).
+TERMINAL_BUCKETS = 4096
+# "Has this account used this terminal before?" is kept as a bitset of hashed terminals per account.
+SEEN_TERMINAL_BITS = 512
+
+# amount_z divides by sqrt(var + prior): a prior variance of log-amounts, so an account's second event is
+# not judged against a spread of zero.
+AMOUNT_PRIOR_VAR = 0.25
+NIGHT_END_HOUR = 6  # 00:00-06:00 UTC is night
+# 1970-01-01 (epoch day 0) was a Thursday; weekday 0 is Monday.
+EPOCH_WEEKDAY = 3
+
+# Raw aggregates both forms produce, one value per event.
+RAW_FIELDS: tuple[str, ...] = (
+    "amount",  # float64
+    "ts_us",  # int64, microseconds since the epoch, UTC
+    "prev_count",  # events of the account before this one (all history)
+    "prev_sum_log_amount",  # sum of log1p(amount) over those events
+    "prev_sumsq_log_amount",  # sum of log1p(amount)^2 over those events
+    "gap_s",  # seconds since the account's previous event (0 for the first)
+    "terminal_seen",  # 1 if the account used this terminal's seen-bucket before
+    *(f"account_count_{d}d" for d in WINDOW_DAYS),
+    *(f"account_amount_{d}d" for d in WINDOW_DAYS),
+    *(f"terminal_count_{d}d" for d in WINDOW_DAYS),
+    *(f"terminal_reports_{d}d" for d in WINDOW_DAYS),
+)
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "log_amount",
+    "amount_z",
+    "log_gap_s",
+    "is_first_event",
+    "hour_sin",
+    "hour_cos",
+    "weekday_sin",
+    "weekday_cos",
+    "is_night",
+    "is_weekend",
+    "new_terminal",
+    *(f"account_log_count_{d}d" for d in WINDOW_DAYS),
+    *(f"account_log_mean_amount_{d}d" for d in WINDOW_DAYS),
+    *(f"terminal_log_count_{d}d" for d in WINDOW_DAYS),
+    *(f"terminal_log_reports_{d}d" for d in WINDOW_DAYS),
+    *(f"terminal_risk_{d}d" for d in WINDOW_DAYS),
+)
+TERMINAL_BUCKET_COLUMN = "terminal_bucket"
+
+
+def stable_hash(value: str) -> int:
+    return zlib.crc32(value.encode("utf-8"))
+
+
+def terminal_bucket(terminal_ids: Iterable[str]) -> np.ndarray:
+    """[N] int64 embedding row of each terminal id."""
+    return np.fromiter((stable_hash(t) % TERMINAL_BUCKETS for t in terminal_ids), dtype=np.int64)
+
+
+def seen_bucket(terminal_ids: Iterable[str]) -> np.ndarray:
+    """[N] int64 bit index of each terminal in an account's seen-terminal bitset."""
+    # A different hash family from terminal_bucket so the two collide independently.
+    return np.fromiter(
+        (zlib.crc32(t.encode("utf-8"), 0x5EED) % SEEN_TERMINAL_BITS for t in terminal_ids), dtype=np.int64
+    )
+
+
+def derive_features(raw: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Raw aggregates (each [N]) -> features [N, len(FEATURE_NAMES)] float64, columns in FEATURE_NAMES order."""
+    amount = np.asarray(raw["amount"], dtype=np.float64)
+    ts_us = np.asarray(raw["ts_us"], dtype=np.int64)
+    prev_count = np.asarray(raw["prev_count"], dtype=np.float64)
+    log_amount = np.log1p(amount)
+
+    has_history = prev_count > 0
+    safe_count = np.maximum(prev_count, 1.0)
+    mean = raw["prev_sum_log_amount"] / safe_count
+    var = np.maximum(raw["prev_sumsq_log_amount"] / safe_count - mean * mean, 0.0)
+    amount_z = np.where(has_history, (log_amount - mean) / np.sqrt(var + AMOUNT_PRIOR_VAR), 0.0)
+
+    second_of_day = (ts_us % DAY_US) / SECOND_US
+    hour_angle = 2.0 * np.pi * second_of_day / 86_400.0
+    weekday = (ts_us // DAY_US + EPOCH_WEEKDAY) % 7
+    weekday_angle = 2.0 * np.pi * weekday / 7.0
+
+    columns = [
+        log_amount,
+        amount_z,
+        np.log1p(np.maximum(np.asarray(raw["gap_s"], dtype=np.float64), 0.0)),
+        (~has_history).astype(np.float64),
+        np.sin(hour_angle),
+        np.cos(hour_angle),
+        np.sin(weekday_angle),
+        np.cos(weekday_angle),
+        (second_of_day < NIGHT_END_HOUR * 3600).astype(np.float64),
+        (weekday >= 5).astype(np.float64),
+        1.0 - np.asarray(raw["terminal_seen"], dtype=np.float64),
+    ]
+    for d in WINDOW_DAYS:
+        columns.append(np.log1p(np.asarray(raw[f"account_count_{d}d"], dtype=np.float64)))
+    for d in WINDOW_DAYS:
+        count = np.maximum(np.asarray(raw[f"account_count_{d}d"], dtype=np.float64), 1.0)
+        columns.append(np.log1p(np.maximum(raw[f"account_amount_{d}d"], 0.0) / count))
+    for d in WINDOW_DAYS:
+        columns.append(np.log1p(np.asarray(raw[f"terminal_count_{d}d"], dtype=np.float64)))
+    for d in WINDOW_DAYS:
+        columns.append(np.log1p(np.asarray(raw[f"terminal_reports_{d}d"], dtype=np.float64)))
+    for d in WINDOW_DAYS:
+        reports = np.asarray(raw[f"terminal_reports_{d}d"], dtype=np.float64)
+        count = np.asarray(raw[f"terminal_count_{d}d"], dtype=np.float64)
+        # Laplace-style +1 keeps a terminal's first fraud report from reading as certainty.
+        columns.append(reports / (count + 1.0))
+    return np.stack(columns, axis=1)

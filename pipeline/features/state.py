@@ -1,0 +1,185 @@
+"""Bounded per-key state for the streaming featurizer: fixed-size numpy records keyed by account or terminal.
+
+A record's size never depends on history length, and its bytes are the unit the stream stores and restores
+(state changelog, restore on partition assignment). Each day-ring holds RING_DAYS daily buckets: bucket
+`day % RING_DAYS` belongs to `day`, and a bucket holding an older day is recycled when a newer day arrives.
+"""
+
+import json
+import struct
+
+import numpy as np
+
+from pipeline.features.definitions import FEATURE_VERSION, RING_DAYS, SEEN_TERMINAL_BITS
+
+STATE_VERSION = 1
+_MAGIC = b"TXSF"
+_HEADER = struct.Struct("<4sHHI")  # magic, state version, feature version, json header length
+
+ACCOUNT_STATE = np.dtype(
+    [
+        ("count", "<i8"),  # events seen, all history
+        ("sum_log_amount", "<f8"),
+        ("sumsq_log_amount", "<f8"),
+        ("last_ts_us", "<i8"),
+        ("max_day", "<i4"),  # latest day seen; a late event's windows end here
+        ("day", "<i4", (RING_DAYS,)),  # epoch day of each bucket, -1 = empty
+        ("day_count", "<i4", (RING_DAYS,)),
+        ("day_amount", "<f8", (RING_DAYS,)),
+        ("seen_terminals", "u1", (SEEN_TERMINAL_BITS // 8,)),  # bitset of seen_bucket(terminal)
+    ]
+)
+TERMINAL_STATE = np.dtype(
+    [
+        ("max_day", "<i4"),
+        ("day", "<i4", (RING_DAYS,)),
+        ("day_count", "<i4", (RING_DAYS,)),
+        ("report_day", "<i4", (RING_DAYS,)),  # day of label_ts of fraud reports
+        ("report_count", "<i4", (RING_DAYS,)),
+    ]
+)
+
+
+def empty_record(dtype: np.dtype) -> np.ndarray:
+    record = np.zeros((), dtype=dtype)
+    for name in dtype.names:
+        if name == "max_day" or name.endswith("day"):
+            record[name] = -1
+    return record
+
+
+class StateTable:
+    """Records of one dtype in a growable array, addressed by key through a dict of slots."""
+
+    def __init__(self, dtype: np.dtype, capacity: int = 1024):
+        self.dtype = dtype
+        self._empty = empty_record(dtype)
+        self.records = np.repeat(self._empty[None], capacity, axis=0)
+        self.slot_of: dict[str, int] = {}
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.slot_of
+
+    def __iter__(self):
+        return iter(list(self.slot_of))
+
+    def slots(self, keys: list[str]) -> np.ndarray:
+        """[N] slot of each key, creating empty records for new keys."""
+        slot_of = self.slot_of
+        out = np.empty(len(keys), dtype=np.int64)
+        for i, key in enumerate(keys):
+            slot = slot_of.get(key)
+            if slot is None:
+                slot = self._allocate(key)
+            out[i] = slot
+        return out
+
+    def _allocate(self, key: str) -> int:
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = len(self.slot_of)
+            if slot >= len(self.records):
+                grown = np.repeat(self._empty[None], len(self.records), axis=0)
+                self.records = np.concatenate([self.records, grown])
+        self.records[slot] = self._empty
+        self.slot_of[key] = slot
+        return slot
+
+    def get_bytes(self, key: str) -> bytes | None:
+        slot = self.slot_of.get(key)
+        return None if slot is None else self.records[slot].tobytes()
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        if len(data) != self.dtype.itemsize:
+            raise ValueError(
+                f"state record for {key!r} is {len(data)} bytes; this featurizer's records are "
+                f"{self.dtype.itemsize} bytes (state version {STATE_VERSION})"
+            )
+        slot = self.slots([key])[0]
+        self.records[slot] = np.frombuffer(data, dtype=self.dtype)[0]
+
+    def evict(self, key: str) -> None:
+        slot = self.slot_of.pop(key)
+        self._free.append(slot)
+
+
+def add_to_ring(
+    records: np.ndarray,
+    slots: np.ndarray,
+    days: np.ndarray,
+    values: dict[str, np.ndarray],
+    day_field: str = "day",
+) -> None:
+    """Add per-(slot, day) totals into day-rings: values[name] is added to the bucket of `day` in field `name`.
+
+    Rows for the same slot and bucket would race in a vectorised write, so per slot only the newest day of
+    each bucket is kept: an older day in the same bucket is >= RING_DAYS older, outside every window of
+    every later event.
+    """
+    if len(slots) == 0:
+        return
+    bucket = days % RING_DAYS
+    order = np.lexsort((-days, bucket, slots))  # by slot, bucket, newest day first
+    slots, bucket, days = slots[order], bucket[order], days[order]
+    first = np.ones(len(slots), dtype=bool)
+    first[1:] = (slots[1:] != slots[:-1]) | (bucket[1:] != bucket[:-1])
+    slots, bucket, days = slots[first], bucket[first], days[first]
+    held = records[day_field][slots, bucket]
+    newer = days > held
+    same = days == held
+    for name, value in values.items():
+        field = records[name]
+        value = value[order][first].astype(field.dtype)
+        field[slots[newer], bucket[newer]] = value[newer]
+        field[slots[same], bucket[same]] += value[same]
+    records[day_field][slots[newer], bucket[newer]] = days[newer]
+
+
+def ring_window_sums(
+    records: np.ndarray, slots: np.ndarray, days: np.ndarray, field: str, day_field: str, window_days: int
+) -> np.ndarray:
+    """[N] sum of `field` over buckets whose day lies in days D-window+1 .. D, for each (slot, D)."""
+    held = records[day_field][slots]  # [N, RING_DAYS]
+    inside = (held <= days[:, None]) & (held > (days - window_days)[:, None])
+    return np.where(inside, records[field][slots], 0).sum(axis=1)
+
+
+def encode_tables(tables: dict[str, StateTable]) -> bytes:
+    """Whole-featurizer snapshot: header, key lists, then every table's records in key order."""
+    header = {name: list(table) for name, table in tables.items()}
+    header_bytes = json.dumps(header).encode("utf-8")
+    parts = [_HEADER.pack(_MAGIC, STATE_VERSION, FEATURE_VERSION, len(header_bytes)), header_bytes]
+    for name, table in tables.items():
+        slots = np.array([table.slot_of[k] for k in header[name]], dtype=np.int64)
+        parts.append(table.records[slots].tobytes())
+    return b"".join(parts)
+
+
+def decode_tables(data: bytes, tables: dict[str, StateTable]) -> None:
+    """Load a snapshot written by encode_tables into (empty) tables, refusing other versions."""
+    magic, state_version, feature_version, header_len = _HEADER.unpack_from(data)
+    if magic != _MAGIC:
+        raise ValueError("not a txsentinel featurizer state snapshot (bad magic bytes)")
+    if (state_version, feature_version) != (STATE_VERSION, FEATURE_VERSION):
+        raise ValueError(
+            f"featurizer state is state v{state_version} / features v{feature_version}; this txsentinel "
+            f"runs state v{STATE_VERSION} / features v{FEATURE_VERSION}. Rebuild the state by replaying "
+            "history with the current version."
+        )
+    offset = _HEADER.size
+    header = json.loads(data[offset : offset + header_len])
+    offset += header_len
+    for name, table in tables.items():
+        keys = header[name]
+        size = len(keys) * table.dtype.itemsize
+        records = np.frombuffer(data[offset : offset + size], dtype=table.dtype)
+        offset += size
+        slots = table.slots(keys)
+        table.records[slots] = records
+    if offset != len(data):
+        raise ValueError(f"featurizer state snapshot has {len(data) - offset} trailing bytes")

@@ -1,0 +1,299 @@
+"""Streaming form of the features: bounded per-account and per-terminal state, one micro-batch at a time.
+
+For each micro-batch the raw aggregates of `definitions.py` are "what the state says about earlier batches"
+plus "what earlier events of this batch add": the in-batch part uses the same sorted-key trick as the batch
+form, on a few hundred events instead of the whole dataset. Work per batch is O(N log N) numpy with one dict
+look-up per event; no Python loop per event touches the arithmetic.
+
+Events are applied in arrival order. A late event (older day than its account or terminal has seen) has its
+windows end at the newest day seen, and its gap is clipped to 0; in time order — what the batch form and a
+replay see — this never happens and both forms agree exactly.
+
+Labels are applied at their label_ts: a fraud label given with a batch counts for the events of that batch
+with ts >= label_ts and for every later batch. So a caller must not pass a label whose label_ts is later than
+events of later batches (`replay_batches` splits a history that way).
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from pipeline.features.definitions import (
+    DAY_US,
+    SECOND_US,
+    WINDOW_DAYS,
+    derive_features,
+    seen_bucket,
+    terminal_bucket,
+)
+from pipeline.features.state import (
+    ACCOUNT_STATE,
+    TERMINAL_STATE,
+    StateTable,
+    add_to_ring,
+    decode_tables,
+    encode_tables,
+    ring_window_sums,
+)
+
+_DAY_SPAN = 1 << 20  # composite key = code * _DAY_SPAN + day; epoch days stay far below 2**20
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """A micro-batch of events in arrival order (all [N])."""
+
+    account_ids: Sequence[str]
+    terminal_ids: Sequence[str]
+    ts_us: np.ndarray  # int64 microseconds since the epoch, UTC
+    amounts: np.ndarray  # float64
+
+
+@dataclass(frozen=True)
+class LabelBatch:
+    """Label events (all [L]); only fraud labels change state."""
+
+    terminal_ids: Sequence[str]
+    label_ts_us: np.ndarray
+    is_fraud: np.ndarray
+
+
+def _group(codes: np.ndarray, days: np.ndarray, state_max_day: np.ndarray):
+    """Order events by (entity, arrival) and build the composite key with late days clamped.
+
+    Returns order [N] and key [N] in that order; key is non-decreasing, so window starts are searchsorted.
+    """
+    order = np.argsort(codes, kind="stable")
+    key = codes[order] * _DAY_SPAN + np.maximum(days[order], state_max_day[order])
+    return order, np.maximum.accumulate(key)
+
+
+def _in_batch_windows(key: np.ndarray, values: np.ndarray | None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """For each window d: (count, sum of values) over earlier-or-same events of this batch in the window."""
+    position = np.arange(len(key))
+    running = None if values is None else np.cumsum(values)
+    out = {}
+    for d in WINDOW_DAYS:
+        start = np.searchsorted(key, key - (d - 1), side="left")
+        count = position - start + 1
+        total = None if running is None else running - running[start] + values[start]
+        out[d] = (count, total)
+    return out
+
+
+class StreamingFeaturizer:
+    """Keeps per-account and per-terminal state and turns micro-batches of events into features."""
+
+    def __init__(self):
+        self.accounts = StateTable(ACCOUNT_STATE)
+        self.terminals = StateTable(TERMINAL_STATE)
+
+    # -- state codec -------------------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        return encode_tables({"accounts": self.accounts, "terminals": self.terminals})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "StreamingFeaturizer":
+        featurizer = cls()
+        decode_tables(data, {"accounts": featurizer.accounts, "terminals": featurizer.terminals})
+        return featurizer
+
+    # -- the work ----------------------------------------------------------------------------------------
+    def transform(
+        self, events: EventBatch, labels: LabelBatch | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Features [N, F] float64 and terminal buckets [N] int64 of a micro-batch; updates the state."""
+        raw = self.raw_aggregates(events, labels)
+        return derive_features(raw), terminal_bucket(events.terminal_ids)
+
+    def raw_aggregates(self, events: EventBatch, labels: LabelBatch | None = None) -> dict[str, np.ndarray]:
+        ts_us = np.asarray(events.ts_us, dtype=np.int64)
+        amounts = np.asarray(events.amounts, dtype=np.float64)
+        days = ts_us // DAY_US
+        raw: dict[str, np.ndarray] = {"amount": amounts, "ts_us": ts_us}
+        raw.update(self._account_part(events.account_ids, events.terminal_ids, ts_us, days, amounts))
+        raw.update(self._terminal_part(events.terminal_ids, ts_us, days, labels))
+        return raw
+
+    def _account_part(self, account_ids, terminal_ids, ts_us, days, amounts) -> dict[str, np.ndarray]:
+        n = len(ts_us)
+        table = self.accounts
+        slots = table.slots(list(account_ids))
+        rec = table.records
+        _, codes = np.unique(slots, return_inverse=True)
+        order, key = _group(codes, days, rec["max_day"][slots].astype(np.int64))
+        day_eff = np.empty(n, dtype=np.int64)
+        day_eff[order] = key % _DAY_SPAN
+        first_in_group = np.ones(n, dtype=bool)
+        first_in_group[1:] = codes[order][1:] != codes[order][:-1]
+
+        out: dict[str, np.ndarray] = {}
+        log_amount = np.log1p(amounts)
+        # All-history moments before each event: state + earlier events of this batch (segmented cumsum).
+        for name, values, field in (
+            ("prev_count", np.ones(n), "count"),
+            ("prev_sum_log_amount", log_amount, "sum_log_amount"),
+            ("prev_sumsq_log_amount", log_amount * log_amount, "sumsq_log_amount"),
+        ):
+            v = values[order]
+            running = np.cumsum(v) - v  # exclusive
+            group_base = np.maximum.accumulate(np.where(first_in_group, running, -np.inf))
+            prev = np.empty(n)
+            prev[order] = running - group_base
+            out[name] = prev + rec[field][slots]
+        # Previous event's ts: the one before in this batch, else the state's.
+        prev_ts = np.empty(n, dtype=np.int64)
+        sorted_ts = ts_us[order]
+        shifted = np.concatenate([[0], sorted_ts[:-1]])
+        prev_ts[order] = np.where(first_in_group, rec["last_ts_us"][slots][order], shifted)
+        has_prev = out["prev_count"] > 0
+        out["gap_s"] = np.where(has_prev, np.maximum(ts_us - prev_ts, 0) / SECOND_US, 0.0)
+
+        # Terminal seen before: bit in the state's bitset, or an earlier event of this batch with the same bit.
+        bits = seen_bucket(terminal_ids)
+        seen_state = (rec["seen_terminals"][slots, bits // 8] >> (bits % 8)) & 1
+        pair = codes * 1024 + bits
+        pair_order = np.argsort(pair, kind="stable")
+        repeat = np.zeros(n, dtype=bool)
+        repeat[pair_order[1:]] = pair[pair_order][1:] == pair[pair_order][:-1]
+        out["terminal_seen"] = (seen_state.astype(bool) | repeat).astype(np.int64)
+
+        in_batch = _in_batch_windows(key, amounts[order])
+        for d, (count, total) in in_batch.items():
+            c = np.empty(n, dtype=np.int64)
+            s = np.empty(n)
+            c[order], s[order] = count, total
+            out[f"account_count_{d}d"] = c + ring_window_sums(rec, slots, day_eff, "day_count", "day", d)
+            out[f"account_amount_{d}d"] = s + ring_window_sums(rec, slots, day_eff, "day_amount", "day", d)
+
+        # Fold this batch into the state (after every read above).
+        last = np.ones(n, dtype=bool)  # last event of each account in this batch, in arrival order
+        last[:-1] = codes[order][1:] != codes[order][:-1]
+        last_idx = order[last]
+        group_slots = slots[last_idx]
+        np.add.at(rec["count"], slots, 1)
+        np.add.at(rec["sum_log_amount"], slots, log_amount)
+        np.add.at(rec["sumsq_log_amount"], slots, log_amount * log_amount)
+        rec["last_ts_us"][group_slots] = ts_us[last_idx]
+        rec["max_day"][group_slots] = day_eff[last_idx]
+        np.bitwise_or.at(rec["seen_terminals"], (slots, bits // 8), (1 << (bits % 8)).astype(np.uint8))
+        self._fold_days(rec, slots, day_eff, {"day_count": np.ones(n), "day_amount": amounts}, "day")
+        return out
+
+    def _terminal_part(self, terminal_ids, ts_us, days, labels: LabelBatch | None) -> dict[str, np.ndarray]:
+        n = len(ts_us)
+        table = self.terminals
+        slots = table.slots(list(terminal_ids))
+        rec = table.records
+        _, codes = np.unique(slots, return_inverse=True)
+        order, key = _group(codes, days, rec["max_day"][slots].astype(np.int64))
+        day_eff = np.empty(n, dtype=np.int64)
+        day_eff[order] = key % _DAY_SPAN
+
+        out: dict[str, np.ndarray] = {}
+        for d, (count, _) in _in_batch_windows(key, None).items():
+            c = np.empty(n, dtype=np.int64)
+            c[order] = count
+            out[f"terminal_count_{d}d"] = c + ring_window_sums(rec, slots, day_eff, "day_count", "day", d)
+
+        fraud = self._fraud_labels(labels)
+        label_slots = table.slots(list(fraud[0])) if fraud is not None else None
+        for d in WINDOW_DAYS:
+            reports = ring_window_sums(rec, slots, day_eff, "report_count", "report_day", d)
+            if fraud is not None:
+                # Few fraud labels per batch: a [N, L] comparison is cheaper than sorting.
+                _, label_us = fraud
+                label_day = label_us // DAY_US
+                known = (
+                    (label_slots[None, :] == slots[:, None])
+                    & (label_us[None, :] <= ts_us[:, None])
+                    & (label_day[None, :] > (day_eff - d)[:, None])
+                    & (label_day[None, :] <= day_eff[:, None])
+                )
+                reports = reports + known.sum(axis=1)
+            out[f"terminal_reports_{d}d"] = reports
+
+        last = np.ones(n, dtype=bool)
+        last[:-1] = codes[order][1:] != codes[order][:-1]
+        rec["max_day"][slots[order[last]]] = day_eff[order[last]]
+        self._fold_days(rec, slots, day_eff, {"day_count": np.ones(n)}, "day")
+        if fraud is not None:
+            self._fold_days(
+                rec,
+                label_slots,
+                fraud[1] // DAY_US,
+                {"report_count": np.ones(len(label_slots))},
+                "report_day",
+            )
+        return out
+
+    def observe_labels(self, labels: LabelBatch) -> None:
+        """Apply labels that arrive between batches (label_ts <= every later event's ts)."""
+        fraud = self._fraud_labels(labels)
+        if fraud is None:
+            return
+        slots = self.terminals.slots(list(fraud[0]))
+        self._fold_days(
+            self.terminals.records,
+            slots,
+            fraud[1] // DAY_US,
+            {"report_count": np.ones(len(slots))},
+            "report_day",
+        )
+
+    @staticmethod
+    def _fraud_labels(labels: LabelBatch | None) -> tuple[list[str], np.ndarray] | None:
+        if labels is None or len(labels.terminal_ids) == 0:
+            return None
+        mask = np.asarray(labels.is_fraud, dtype=bool)
+        if not mask.any():
+            return None
+        ids = [t for t, m in zip(labels.terminal_ids, mask, strict=True) if m]
+        return ids, np.asarray(labels.label_ts_us, dtype=np.int64)[mask]
+
+    @staticmethod
+    def _fold_days(rec, slots, days, values: dict[str, np.ndarray], day_field: str) -> None:
+        """Sum values per (slot, day), then add those totals into the day-rings."""
+        key = slots * _DAY_SPAN + days
+        unique_key, inverse = np.unique(key, return_inverse=True)
+        totals = {
+            name: np.bincount(inverse, weights=v, minlength=len(unique_key)) for name, v in values.items()
+        }
+        add_to_ring(rec, unique_key // _DAY_SPAN, unique_key % _DAY_SPAN, totals, day_field)
+
+
+def replay_batches(
+    frame: pl.DataFrame, batch_events: int = 500
+) -> Iterator[tuple[EventBatch, LabelBatch | None]]:
+    """Split a dataset (canonical columns, any order) into time-ordered micro-batches with their labels.
+
+    Each fraud label travels with the first batch whose last event has ts >= label_ts, so it is known to
+    exactly the events with ts >= label_ts — the batch form's definition.
+    """
+    frame = frame.sort("ts", "event_id")
+    ts_us = frame["ts"].dt.epoch("us").to_numpy()
+    accounts = frame["account_id"].to_list()
+    terminals = frame["terminal_id"].to_list()
+    amounts = frame["amount"].to_numpy()
+    labelled = "is_fraud" in frame.columns and "label_ts" in frame.columns
+    if labelled:
+        fraud = frame.filter(pl.col("is_fraud") & pl.col("label_ts").is_not_null()).sort("label_ts")
+        label_us = fraud["label_ts"].dt.epoch("us").to_numpy()
+        label_terminals = fraud["terminal_id"].to_list()
+    cursor = 0
+    for start in range(0, len(ts_us), batch_events):
+        stop = min(start + batch_events, len(ts_us))
+        labels = None
+        if labelled:
+            end = int(np.searchsorted(label_us, ts_us[stop - 1], side="right"))
+            if end > cursor:
+                labels = LabelBatch(
+                    label_terminals[cursor:end], label_us[cursor:end], np.ones(end - cursor, bool)
+                )
+            cursor = end
+        yield (
+            EventBatch(accounts[start:stop], terminals[start:stop], ts_us[start:stop], amounts[start:stop]),
+            labels,
+        )
