@@ -11,7 +11,6 @@ import polars as pl
 
 from pipeline.features.definitions import (
     DAY_US,
-    FEATURE_NAMES,
     RAW_FIELDS,
     SECOND_US,
     TERMINAL_BUCKET_COLUMN,
@@ -175,6 +174,6 @@ def compute_features(frame: pl.DataFrame) -> pl.DataFrame:
     events = _events(frame)
     features = derive_features(_raw_from_events(events))
     return frame.select([c for c in PASSTHROUGH if c in frame.columns]).with_columns(
-        *(pl.Series(name, features[:, i]) for i, name in enumerate(FEATURE_NAMES)),
+        *(pl.Series(name, values) for name, values in features.items()),
         events[TERMINAL_BUCKET_COLUMN],
     )

@@ -90,12 +90,15 @@ def seen_bucket(terminal_ids: Iterable[str]) -> np.ndarray:
     )
 
 
-def derive_features(raw: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Raw aggregates (each [N]) -> features [N, len(FEATURE_NAMES)] float64, columns in FEATURE_NAMES order."""
-    amount = np.asarray(raw["amount"], dtype=np.float64)
+def derive_features(raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Raw aggregates (each [N]) -> {feature name: [N] float64}, in FEATURE_NAMES order."""
+
+    def f64(name: str) -> np.ndarray:
+        return np.asarray(raw[name], dtype=np.float64)
+
     ts_us = np.asarray(raw["ts_us"], dtype=np.int64)
-    prev_count = np.asarray(raw["prev_count"], dtype=np.float64)
-    log_amount = np.log1p(amount)
+    prev_count = f64("prev_count")
+    log_amount = np.log1p(f64("amount"))
 
     has_history = prev_count > 0
     safe_count = np.maximum(prev_count, 1.0)
@@ -104,35 +107,40 @@ def derive_features(raw: Mapping[str, np.ndarray]) -> np.ndarray:
     amount_z = np.where(has_history, (log_amount - mean) / np.sqrt(var + AMOUNT_PRIOR_VAR), 0.0)
 
     second_of_day = (ts_us % DAY_US) / SECOND_US
-    hour_angle = 2.0 * np.pi * second_of_day / 86_400.0
+    hour_angle = (2.0 * np.pi / 86_400.0) * second_of_day
     weekday = (ts_us // DAY_US + EPOCH_WEEKDAY) % 7
-    weekday_angle = 2.0 * np.pi * weekday / 7.0
+    weekday_angle = (2.0 * np.pi / 7.0) * weekday
 
-    columns = [
-        log_amount,
-        amount_z,
-        np.log1p(np.maximum(np.asarray(raw["gap_s"], dtype=np.float64), 0.0)),
-        (~has_history).astype(np.float64),
-        np.sin(hour_angle),
-        np.cos(hour_angle),
-        np.sin(weekday_angle),
-        np.cos(weekday_angle),
-        (second_of_day < NIGHT_END_HOUR * 3600).astype(np.float64),
-        (weekday >= 5).astype(np.float64),
-        1.0 - np.asarray(raw["terminal_seen"], dtype=np.float64),
-    ]
+    out = {
+        "log_amount": log_amount,
+        "amount_z": amount_z,
+        "log_gap_s": np.log1p(np.maximum(f64("gap_s"), 0.0)),
+        "is_first_event": (~has_history).astype(np.float64),
+        "hour_sin": np.sin(hour_angle),
+        "hour_cos": np.cos(hour_angle),
+        "weekday_sin": np.sin(weekday_angle),
+        "weekday_cos": np.cos(weekday_angle),
+        "is_night": (second_of_day < NIGHT_END_HOUR * 3600).astype(np.float64),
+        "is_weekend": (weekday >= 5).astype(np.float64),
+        "new_terminal": 1.0 - f64("terminal_seen"),
+    }
     for d in WINDOW_DAYS:
-        columns.append(np.log1p(np.asarray(raw[f"account_count_{d}d"], dtype=np.float64)))
+        out[f"account_log_count_{d}d"] = np.log1p(f64(f"account_count_{d}d"))
     for d in WINDOW_DAYS:
-        count = np.maximum(np.asarray(raw[f"account_count_{d}d"], dtype=np.float64), 1.0)
-        columns.append(np.log1p(np.maximum(raw[f"account_amount_{d}d"], 0.0) / count))
+        mean_amount = np.maximum(raw[f"account_amount_{d}d"], 0.0) / np.maximum(
+            f64(f"account_count_{d}d"), 1.0
+        )
+        out[f"account_log_mean_amount_{d}d"] = np.log1p(mean_amount)
     for d in WINDOW_DAYS:
-        columns.append(np.log1p(np.asarray(raw[f"terminal_count_{d}d"], dtype=np.float64)))
+        out[f"terminal_log_count_{d}d"] = np.log1p(f64(f"terminal_count_{d}d"))
     for d in WINDOW_DAYS:
-        columns.append(np.log1p(np.asarray(raw[f"terminal_reports_{d}d"], dtype=np.float64)))
+        out[f"terminal_log_reports_{d}d"] = np.log1p(f64(f"terminal_reports_{d}d"))
     for d in WINDOW_DAYS:
-        reports = np.asarray(raw[f"terminal_reports_{d}d"], dtype=np.float64)
-        count = np.asarray(raw[f"terminal_count_{d}d"], dtype=np.float64)
         # Laplace-style +1 keeps a terminal's first fraud report from reading as certainty.
-        columns.append(reports / (count + 1.0))
-    return np.stack(columns, axis=1)
+        out[f"terminal_risk_{d}d"] = f64(f"terminal_reports_{d}d") / (f64(f"terminal_count_{d}d") + 1.0)
+    return {name: out[name] for name in FEATURE_NAMES}
+
+
+def feature_matrix(columns: Mapping[str, np.ndarray]) -> np.ndarray:
+    """{feature name: [N]} -> [N, F] float64 in FEATURE_NAMES order."""
+    return np.stack([columns[name] for name in FEATURE_NAMES], axis=1)

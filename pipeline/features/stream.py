@@ -25,6 +25,7 @@ from pipeline.features.definitions import (
     SECOND_US,
     WINDOW_DAYS,
     derive_features,
+    feature_matrix,
     seen_bucket,
     terminal_bucket,
 )
@@ -106,7 +107,7 @@ class StreamingFeaturizer:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Features [N, F] float64 and terminal buckets [N] int64 of a micro-batch; updates the state."""
         raw = self.raw_aggregates(events, labels)
-        return derive_features(raw), terminal_bucket(events.terminal_ids)
+        return feature_matrix(derive_features(raw)), terminal_bucket(events.terminal_ids)
 
     def raw_aggregates(self, events: EventBatch, labels: LabelBatch | None = None) -> dict[str, np.ndarray]:
         ts_us = np.asarray(events.ts_us, dtype=np.int64)
