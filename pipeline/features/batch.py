@@ -152,8 +152,13 @@ def _raw_from_events(events: pl.DataFrame) -> dict[str, np.ndarray]:
         "ts_us": events["ts_us"].to_numpy(),
     }
     for block in (_account_aggregates(events), _terminal_counts(events), _terminal_reports(events)):
-        seq = block.pop("seq").to_numpy()
+        seq = block.pop("seq")
+        in_event_order = seq.is_sorted()
+        seq = seq.to_numpy()
         for name, column in block.items():
+            if in_event_order:
+                raw[name] = column.to_numpy()
+                continue
             values = np.empty(len(seq), dtype=column.to_numpy().dtype)
             values[seq] = column.to_numpy()  # back to event order
             raw[name] = values
