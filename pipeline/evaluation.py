@@ -1,0 +1,96 @@
+"""Detection quality with the Fraud Detection Handbook's protocol (Le Borgne et al., ch. 4).
+
+Event-level ROC AUC and average precision, and Card Precision@k: on each test day, rank accounts by their
+highest event score of the day, leave out accounts whose fraud was already known before the day started
+and accounts already caught (a fraudulent account in an earlier day's top k), and take the precision of the
+top k. CP@k is the mean over test days.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+from sklearn.metrics import average_precision_score, roc_auc_score
+
+from pipeline.splits import DAY, Period, ranking_exclusions
+
+
+@dataclass(frozen=True)
+class DetectionMetrics:
+    auc: float
+    ap: float
+    cp_at_k: float
+    k: int
+    events: int
+    frauds: int
+    cp_per_day: tuple[float, ...] = field(default=())
+
+    def as_dict(self, prefix: str = "test/") -> dict[str, float]:
+        return {
+            f"{prefix}auc": self.auc,
+            f"{prefix}ap": self.ap,
+            f"{prefix}cp_at_{self.k}": self.cp_at_k,
+            f"{prefix}events": float(self.events),
+            f"{prefix}frauds": float(self.frauds),
+        }
+
+
+def event_metrics(scores: np.ndarray, is_fraud: np.ndarray) -> tuple[float, float]:
+    """(ROC AUC, AP) over events; NaN when the events hold a single class (the metrics are undefined)."""
+    is_fraud = np.asarray(is_fraud, dtype=bool)
+    if is_fraud.all() or not is_fraud.any():
+        return float("nan"), float("nan")
+    return float(roc_auc_score(is_fraud, scores)), float(average_precision_score(is_fraud, scores))
+
+
+def card_precision_at_k(
+    scored: pl.DataFrame, labels: pl.DataFrame, test: Period, k: int = 100
+) -> list[float]:
+    """CP@k of each test day.
+
+    scored: account_id, ts, score, is_fraud — the events of the test period with their scores.
+    labels: account_id, is_fraud, label_ts — all labels, to know which frauds were known before each day.
+    """
+    excluded = ranking_exclusions(labels, test)
+    daily = (
+        scored.filter(test.contains())
+        .with_columns(pl.col("ts").dt.truncate("1d").alias("day"))
+        .group_by("day", "account_id")
+        .agg(pl.col("score").max(), pl.col("is_fraud").any())
+    )
+    caught: set[str] = set()
+    precisions = []
+    for day in test.day_starts():
+        known = set(excluded.filter(pl.col("day") == day)["account_id"].to_list())
+        ranked = (
+            daily.filter((pl.col("day") == day) & ~pl.col("account_id").is_in(list(known | caught)))
+            .sort(["score", "account_id"], descending=[True, False])
+            .head(k)
+        )
+        hits = ranked.filter(pl.col("is_fraud"))["account_id"].to_list()
+        caught.update(hits)
+        precisions.append(len(hits) / k)
+    return precisions
+
+
+def detection_metrics(
+    scored: pl.DataFrame, labels: pl.DataFrame, test: Period, k: int = 100
+) -> DetectionMetrics:
+    """All test metrics of one model on one test period (`scored` as in card_precision_at_k)."""
+    in_test = scored.filter(test.contains())
+    if in_test.height == 0:
+        raise ValueError(f"no scored events in the test period {test}")
+    auc, ap = event_metrics(in_test["score"].to_numpy(), in_test["is_fraud"].to_numpy())
+    per_day = card_precision_at_k(in_test, labels, test, k)
+    return DetectionMetrics(
+        auc=auc,
+        ap=ap,
+        cp_at_k=float(np.mean(per_day)),
+        k=k,
+        events=in_test.height,
+        frauds=int(in_test["is_fraud"].sum()),
+        cp_per_day=tuple(per_day),
+    )
+
+
+__all__ = ["DAY", "DetectionMetrics", "card_precision_at_k", "detection_metrics", "event_metrics"]
