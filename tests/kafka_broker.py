@@ -1,0 +1,141 @@
+"""Pytest plugin: the project's real Apache Kafka broker (scripts/kafka.sh) for tests marked ``kafka``.
+
+Fixtures:
+- ``kafka_broker`` (session): a :class:`KafkaBroker`; reuses a broker already listening on TXS_KAFKA_PORT
+  (default 39092), otherwise starts one with ``scripts/kafka.sh start`` and stops it when the session ends.
+- ``kafka_bootstrap`` (session): its bootstrap address, ``"127.0.0.1:PORT"``.
+- ``topic_factory`` (function): creates uniquely named topics and deletes them after the test.
+
+Every test that uses one of these fixtures gets the ``kafka`` marker, so ``pytest -m "not kafka"`` skips them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from kafka import KafkaAdminClient
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+KAFKA_SH = REPO_ROOT / "scripts" / "kafka.sh"
+KAFKA_FIXTURES = {"kafka_broker", "kafka_bootstrap", "topic_factory"}
+# A first start may download the jars (tens of seconds); kafka.sh itself gives the broker 60 s to come up.
+START_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 60
+
+
+def kafka_port() -> int:
+    return int(os.environ.get("TXS_KAFKA_PORT", "39092"))
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def run_kafka_sh(command: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Runs ``scripts/kafka.sh COMMAND``; a failure raises with the script's own explanation."""
+    result = subprocess.run(
+        [str(KAFKA_SH), command], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"scripts/kafka.sh {command} failed (exit {result.returncode}):\n{result.stdout}{result.stderr}"
+        )
+    return result
+
+
+@dataclass
+class KafkaBroker:
+    bootstrap: str
+    # True when scripts/kafka.sh runs this broker (so the tests may restart it); False for a broker that
+    # something else started on our port.
+    managed: bool
+
+    def restart(self) -> None:
+        """Stops and starts the broker on the same data, to test what survives a restart."""
+        if not self.managed:
+            pytest.skip(
+                f"the broker at {self.bootstrap} was not started by scripts/kafka.sh, so cannot restart it"
+            )
+        run_kafka_sh("stop", STOP_TIMEOUT_S)
+        run_kafka_sh("start", START_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[KafkaBroker]:
+    port = kafka_port()
+    bootstrap = f"127.0.0.1:{port}"
+    if _port_open(port):
+        # Somebody's broker is up already (e.g. `scripts/kafka.sh start` in a terminal): use it, leave it running.
+        managed = subprocess.run([str(KAFKA_SH), "status"], capture_output=True, check=False).returncode == 0
+        yield KafkaBroker(bootstrap, managed=managed)
+        return
+    run_kafka_sh("start", START_TIMEOUT_S)
+    try:
+        yield KafkaBroker(bootstrap, managed=True)
+    finally:
+        run_kafka_sh("stop", STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(kafka_broker: KafkaBroker) -> str:
+    return kafka_broker.bootstrap
+
+
+def _admin(bootstrap: str) -> KafkaAdminClient:
+    return KafkaAdminClient(bootstrap_servers=bootstrap, client_id="txsentinel-tests-admin")
+
+
+@pytest.fixture
+def topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
+    """``create(prefix="test", partitions=1, config=None) -> name``; the topics are deleted afterwards."""
+    created: list[str] = []
+
+    def create(prefix: str = "test", partitions: int = 1, config: Mapping[str, object] | None = None) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        spec = {
+            "num_partitions": partitions,
+            "replication_factor": 1,
+            "configs": {key: str(value) for key, value in (config or {}).items()},
+        }
+        # A fresh admin client per call: a test may restart the broker between two calls.
+        admin = _admin(kafka_bootstrap)
+        try:
+            # wait_for_metadata: CreateTopics returns before every partition has a leader; producing
+            # earlier fails with UNKNOWN_TOPIC_OR_PARTITION.
+            admin.create_topics({name: spec}, wait_for_metadata=True)
+        finally:
+            admin.close()
+        created.append(name)
+        return name
+
+    yield create
+
+    if created:
+        try:
+            admin = _admin(kafka_bootstrap)
+            try:
+                admin.delete_topics(created)
+            finally:
+                admin.close()
+        except Exception as exc:  # a failed cleanup must not hide the test's own result
+            warnings.warn(
+                f"could not delete test topics {created} at {kafka_bootstrap}: {exc!r}", stacklevel=1
+            )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if KAFKA_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.kafka)
