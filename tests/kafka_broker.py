@@ -11,48 +11,24 @@ Every test that uses one of these fixtures gets the ``kafka`` marker, so ``pytes
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from kafka import KafkaAdminClient
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-KAFKA_SH = REPO_ROOT / "scripts" / "kafka.sh"
+from consumers.broker import (
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    kafka_port,
+    managed_broker_running,
+    port_open,
+    run_kafka_script,
+)
+
 KAFKA_FIXTURES = {"kafka_broker", "kafka_bootstrap", "topic_factory"}
-# A first start may download the jars (tens of seconds); kafka.sh itself gives the broker 60 s to come up.
-START_TIMEOUT_S = 600
-STOP_TIMEOUT_S = 60
-
-
-def kafka_port() -> int:
-    return int(os.environ.get("TXS_KAFKA_PORT", "39092"))
-
-
-def _port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def run_kafka_sh(command: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Runs ``scripts/kafka.sh COMMAND``; a failure raises with the script's own explanation."""
-    result = subprocess.run(
-        [str(KAFKA_SH), command], capture_output=True, text=True, timeout=timeout_s, check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"scripts/kafka.sh {command} failed (exit {result.returncode}):\n{result.stdout}{result.stderr}"
-        )
-    return result
 
 
 @dataclass
@@ -68,24 +44,23 @@ class KafkaBroker:
             pytest.skip(
                 f"the broker at {self.bootstrap} was not started by scripts/kafka.sh, so cannot restart it"
             )
-        run_kafka_sh("stop", STOP_TIMEOUT_S)
-        run_kafka_sh("start", START_TIMEOUT_S)
+        run_kafka_script("stop", STOP_TIMEOUT_S)
+        run_kafka_script("start", START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[KafkaBroker]:
     port = kafka_port()
     bootstrap = f"127.0.0.1:{port}"
-    if _port_open(port):
+    if port_open(port):
         # Somebody's broker is up already (e.g. `scripts/kafka.sh start` in a terminal): use it, leave it running.
-        managed = subprocess.run([str(KAFKA_SH), "status"], capture_output=True, check=False).returncode == 0
-        yield KafkaBroker(bootstrap, managed=managed)
+        yield KafkaBroker(bootstrap, managed=managed_broker_running())
         return
-    run_kafka_sh("start", START_TIMEOUT_S)
+    run_kafka_script("start", START_TIMEOUT_S)
     try:
         yield KafkaBroker(bootstrap, managed=True)
     finally:
-        run_kafka_sh("stop", STOP_TIMEOUT_S)
+        run_kafka_script("stop", STOP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")

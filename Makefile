@@ -1,0 +1,45 @@
+# The two commands a newcomer needs on a fresh machine:
+#   make demo   create the environment, install everything, run the main job end to end
+#   make test   install what is missing, then lint and run the whole test suite
+# Everything else here is a convenience for developers.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Re-install whenever pyproject.toml changes; otherwise a second run skips straight to the work.
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format kafka-install kafka-start kafka-stop clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade uv
+	$(BIN)/uv pip install --python $(BIN)/python --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+kafka-install:
+	scripts/kafka.sh install
+
+demo: $(STAMP) kafka-install
+	$(BIN)/txsentinel demo
+
+test: $(STAMP) kafka-install lint
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+kafka-start: kafka-install
+	scripts/kafka.sh start
+
+kafka-stop:
+	scripts/kafka.sh stop
+
+clean:
+	-scripts/kafka.sh stop
+	rm -rf $(VENV) .kafka runs mlflow.db mlruns .pytest_cache .ruff_cache
