@@ -1,0 +1,73 @@
+"""Layers every detector shares: the event encoder in front, the score head behind, the Transformers' FFN."""
+
+import torch
+from torch import Tensor, nn
+
+from models.contract import DetectorConfig
+
+
+def dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    """nn.functional.dropout, minus its call overhead when it would do nothing (serving steps)."""
+    return nn.functional.dropout(x, p, True) if training and p > 0 else x
+
+
+class EventEncoder(nn.Module):
+    """One event [..., F] -> [..., d_model]: numeric columns projected, terminal bucket embedded, summed, normed.
+
+    The last input column holds the terminal bucket index as a float; the others are normalised features,
+    clamped to [-input_clip, input_clip] first so an extreme value (an amount of 1e9 that normalisation did
+    not tame, an inf) cannot blow up activations or the recurrent state.
+    """
+
+    def __init__(self, config: DetectorConfig):
+        super().__init__()
+        self.clip = float(config.input_clip)
+        self.buckets = config.terminal_buckets
+        self.numeric = nn.Linear(config.num_features, config.d_model)
+        self.terminal = nn.Embedding(config.terminal_buckets, config.d_model)
+        self.norm = nn.LayerNorm(config.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        numeric = x[..., :-1].clamp(-self.clip, self.clip)
+        bucket = x[..., -1].long()
+        try:
+            terminal = self.terminal(bucket)
+        except IndexError:  # CPU; on CUDA an out-of-range index is a device-side assert instead
+            bad = bucket[(bucket < 0) | (bucket >= self.buckets)][0].item()
+            raise ValueError(
+                f"terminal bucket index {bad} is outside [0, {self.buckets}): the last input column must hold "
+                "the terminal bucket (pipeline.features TERMINAL_BUCKET_COLUMN) as an integer, and the model "
+                "must be built with the feature spec's number of buckets (config.terminal_buckets)"
+            ) from None
+        return self.norm(self.numeric(numeric) + terminal)
+
+
+class ScoreHead(nn.Module):
+    """[..., d_model] -> logit [...]."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, 1)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.out(self.norm(h)).squeeze(-1)
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP of a pre-norm Transformer block (its own LayerNorm in front).
+
+    ReLU, as in fast-transformers' layers for the linear Transformer paper: on CPU at serving batch sizes
+    exact GELU costs ~4x as much per call, and the step budget is a few milliseconds.
+    """
+
+    def __init__(self, d_model: int, hidden: int, dropout_p: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+        self.dropout = dropout_p
+
+    def forward(self, h: Tensor) -> Tensor:
+        out = self.down(torch.relu(self.up(self.norm(h))))
+        return dropout(out, self.dropout, self.training)

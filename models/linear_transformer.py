@@ -1,0 +1,224 @@
+"""Linear-attention Transformer detector ("Transformers are RNNs", Katharopoulos et al. 2020).
+
+Causal attention with feature map phi(x) = elu(x) + 1 is an RNN with state per head
+S = sum phi(k) v^T [D, D] and Z = sum phi(k) [D]; out = phi(q) S / (phi(q) . Z) (the slow reference is
+models/linear_attention_naive.py). Training runs the chunked parallel form, serving the recurrence; both
+sit in LinearAttentionBlock. Shapes: B accounts, T events, H heads, D head dim, L layers, d = H * D.
+
+Numerics.
+- phi is computed as exp(min(x, 0)) + max(x, 0), in float32 at least, floored at PHI_FLOOR. Written as
+  elu(x) + 1 = (exp(x) - 1) + 1 it cancels: in bf16 (8 significant bits) exp(x) - 1 rounds to -1 once
+  exp(x) < 2^-9, so phi = 0 from x < -6.2 on (float32: x < -17); a query or key whose features are all 0
+  makes phi(q) . Z = 0 and the output 0/0. The rewritten form is the same function without the
+  subtraction, float32 moves exp's underflow out to x < -87, and the floor keeps phi(q) . Z >= D *
+  PHI_FLOOR^2 > 0 for any input. All attention arithmetic (phi, S, Z, the chunk matmuls) runs in
+  float32 or wider with autocast off, whatever the activations' dtype.
+- S and Z grow linearly with history. The state keeps their running means S / n and Z / n plus the count
+  n (int64): the output ratio is unchanged, the stored numbers stay O(1) however long the stream (no
+  overflow in any float format, the same scale for an account with 10 events and one with 10 million),
+  and the step update is one lerp, S_n = S_{n-1} + (phi(k) v^T - S_{n-1}) / n. The parallel form turns
+  them back into sums (S / n * n) at the start of a chunk. Rounding is ~eps per update either way, so
+  float32 serving stays close to float64: the contract suite measures 100,000 events in float32 against
+  float64 (tests/models/test_contract.py). Past ~2^24 events per account a float32 mean can no longer
+  register one event's 1/n share; a card account never gets near that.
+"""
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from models.contract import DetectorConfig, RecurrentDetector, State
+from models.encoder import EventEncoder, FeedForward, ScoreHead, dropout
+
+PHI_FLOOR = 1e-6
+# Events per chunk of the parallel form: quadratic (masked) inside a chunk, (S, Z) carried between chunks.
+# Speed and memory only; results do not depend on it.
+CHUNK_EVENTS = 64
+
+
+@dataclass(frozen=True)
+class LinearTransformerConfig(DetectorConfig):
+    num_heads: int = 4
+    ffn_multiplier: int = 4
+
+    TINY: ClassVar[dict[str, Any]] = {**DetectorConfig.TINY, "num_heads": 2}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model = {self.d_model} must be a multiple of num_heads = {self.num_heads}")
+
+
+def phi(x: Tensor) -> Tensor:
+    """elu(x) + 1 without cancellation, in float32 or wider, never below PHI_FLOOR (see module docstring)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (torch.exp(x.clamp(max=0.0)) + x.clamp(min=0.0)).clamp(min=PHI_FLOOR)
+
+
+def causal_linear_attention(
+    phi_q: Tensor, phi_k: Tensor, v: Tensor, s0: Tensor, z0: Tensor, chunk_events: int = CHUNK_EVENTS
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Chunked parallel form: outputs [B, H, T, Dv] and final sums S [B, H, D, Dv], Z [B, H, D].
+
+    phi_q, phi_k: [B, H, T, D], feature-mapped; v: [B, H, T, Dv]; s0, z0: sums carried in. An event with
+    phi_k = 0 and v = 0 adds nothing (how padding is kept out of the state).
+    """
+    T = phi_q.shape[2]
+    C = min(chunk_events, T)
+    N = -(-T // C)  # chunks
+    pad = N * C - T
+    if pad:
+        # Padded keys/values are 0 (no contribution); padded queries 1 so their (discarded) rows divide by
+        # a positive number rather than 0, which would turn gradients into NaN.
+        phi_q = nn.functional.pad(phi_q, (0, 0, 0, pad), value=1.0)
+        phi_k = nn.functional.pad(phi_k, (0, 0, 0, pad))
+        v = nn.functional.pad(v, (0, 0, 0, pad))
+    q = phi_q.unflatten(2, (N, C))  # [B, H, N, C, D]
+    k = phi_k.unflatten(2, (N, C))
+    vc = v.unflatten(2, (N, C))  # [B, H, N, C, Dv]
+    # Sums up to the start of each chunk: s0, then the running total of each chunk's k^T v.
+    s = torch.cat([s0[:, :, None], k.transpose(-1, -2) @ vc], 2).cumsum(2)  # [B, H, N + 1, D, Dv]
+    z = torch.cat([z0[:, :, None], k.sum(-2)], 2).cumsum(2)  # [B, H, N + 1, D]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    a = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)  # [B, H, N, C, C] within-chunk weights
+    numerator = q @ s[:, :, :-1] + a @ vc  # [B, H, N, C, Dv]
+    denominator = (q * z[:, :, :-1, None, :]).sum(-1) + a.sum(-1)  # [B, H, N, C]
+    out = numerator / denominator.clamp(min=torch.finfo(q.dtype).tiny)[..., None]
+    return out.flatten(2, 3)[:, :, :T], s[:, :, -1], z[:, :, -1]
+
+
+def linear_attention_step(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    s_mean: Tensor,
+    z_mean: Tensor,
+    share: Tensor,
+    out: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Recurrent form, one event: output [B, H, Dv] and the new running means (into `out` when given).
+
+    phi_q, phi_k: [B, H, D], feature-mapped; v: [B, H, Dv]; s_mean [B, H, D, Dv] = S / n and z_mean
+    [B, H, D] = Z / n over the n events before this one; share [B, 1, 1] = 1 / (n + 1).
+    """
+    s_out, z_out = (None, None) if out is None else out
+    # S_{n+1} = S_n + phi(k) v^T, as running means: S/n moves 1/(n+1) of the way towards phi(k) v^T.
+    s_mean = torch.lerp(s_mean, phi_k[..., :, None] * v[..., None, :], share[..., None], out=s_out)
+    z_mean = torch.lerp(z_mean, phi_k, share, out=z_out)
+    # phi(q) S as a broadcast multiply and sum: as B * H tiny matrix-vector products (bmm) it is ~4x slower
+    # on CPU. Dividing S and Z by the same n leaves the ratio as it was.
+    numerator = (phi_q[..., :, None] * s_mean).sum(-2)  # [B, H, Dv]
+    denominator = (phi_q * z_mean).sum(-1, keepdim=True)  # [B, H, 1], >= D * PHI_FLOOR^2
+    return numerator / denominator, s_mean, z_mean
+
+
+class LinearAttentionBlock(nn.Module):
+    """Pre-norm block: x + linear_attn(norm(x)), then x + ffn(norm(x)); parallel `forward` and `step`."""
+
+    def __init__(self, config: LinearTransformerConfig):
+        super().__init__()
+        self.heads = config.num_heads
+        self.norm = nn.LayerNorm(config.d_model)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.out = nn.Linear(config.d_model, config.d_model)
+        self.dropout = config.dropout
+        self.ffn = FeedForward(config.d_model, config.ffn_multiplier * config.d_model, config.dropout)
+
+    def _features(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # h [..., d] -> phi(q), phi(k), v [..., H, D] in float32 or wider
+        qkv = self.qkv(self.norm(h)).unflatten(-1, (3, self.heads, -1))  # [..., 3, H, D]
+        phi_qk = phi(qkv[..., :2, :, :])  # one call for q and k
+        return phi_qk[..., 0, :, :], phi_qk[..., 1, :, :], qkv[..., 2, :, :].to(phi_qk.dtype)
+
+    def _finish(self, h: Tensor, att: Tensor) -> Tensor:
+        # att [..., H, D]: project back, residual, then the FFN half of the block.
+        h = h + dropout(self.out(att.flatten(-2).to(h.dtype)), self.dropout, self.training)
+        return h + self.ffn(h)
+
+    def forward(self, h: Tensor, s_mean: Tensor, z_mean: Tensor, seen: Tensor, valid: Tensor):
+        """h [B, T, d]; s_mean [B, H, D, D], z_mean [B, H, D] over `seen` [B] events; valid [B, T].
+
+        Returns the new h and the running means after each account's last valid event.
+        """
+        with torch.autocast(h.device.type, enabled=False):
+            phi_q, phi_k, v = (t.transpose(1, 2) for t in self._features(h))  # [B, H, T, D]
+            keep = valid[:, None, :, None].to(phi_k.dtype)  # padding adds nothing to S and Z
+            phi_k, v = phi_k * keep, v * keep
+            n = seen.to(phi_k.dtype)[:, None, None]  # [B, 1, 1]
+            s0, z0 = s_mean.to(phi_k.dtype) * n[..., None], z_mean.to(phi_k.dtype) * n
+            att, s, z = causal_linear_attention(phi_q, phi_k, v, s0, z0)
+            n_end = (seen + valid.sum(1)).clamp(min=1).to(s.dtype)[:, None, None]  # 0 events: sums are 0
+            s_mean, z_mean = s / n_end[..., None], z / n_end
+        return self._finish(h, att.transpose(1, 2)), s_mean, z_mean
+
+    def step(self, h: Tensor, s_mean: Tensor, z_mean: Tensor, share: Tensor, out=None):
+        """h [B, d]; s_mean [B, H, D, D], z_mean [B, H, D]; share [B, 1, 1] = 1 / (events seen + 1).
+
+        Returns the new h and means (written into `out`, a pair of tensors, when given; never the inputs).
+        """
+        # No autocast guard needed: the step uses no matmul, and _features casts to float32 or wider.
+        phi_q, phi_k, v = self._features(h)  # [B, H, D]
+        att, s_mean, z_mean = linear_attention_step(phi_q, phi_k, v, s_mean, z_mean, share, out)
+        return self._finish(h, att), s_mean, z_mean
+
+
+class LinearTransformerDetector(RecurrentDetector):
+    name: ClassVar[str] = "linear_transformer"
+
+    def __init__(self, config: LinearTransformerConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = EventEncoder(config)
+        self.blocks = nn.ModuleList(LinearAttentionBlock(config) for _ in range(config.num_layers))
+        self.head = ScoreHead(config.d_model)
+
+    def init_state(self, batch_size: int) -> State:
+        c = self.config
+        D = c.d_model // c.num_heads
+        kwargs = {"dtype": self.state_dtype, "device": self.device}
+        return {
+            "s": torch.zeros(batch_size, c.num_layers, c.num_heads, D, D, **kwargs),  # [B, L, H, D, D] S / n
+            "z": torch.zeros(batch_size, c.num_layers, c.num_heads, D, **kwargs),  # [B, L, H, D] Z / n
+            "events": torch.zeros(batch_size, dtype=torch.long, device=self.device),  # [B] n
+        }
+
+    def forward(
+        self, x: Tensor, state: State | None = None, lengths: Tensor | None = None
+    ) -> tuple[Tensor, State]:
+        self._check_input(x, 3)
+        x, lengths, valid = self._padding(x, lengths)
+        state = self.init_state(x.shape[0]) if state is None else state
+        h = self.encoder(x)
+        s_means, z_means = [], []
+        for layer, block in enumerate(self.blocks):
+            h, s, z = block(h, state["s"][:, layer], state["z"][:, layer], state["events"], valid)
+            s_means.append(s)
+            z_means.append(z)
+        new_state = {
+            "s": torch.stack(s_means, 1).to(self.state_dtype),
+            "z": torch.stack(z_means, 1).to(self.state_dtype),
+            "events": state["events"] + lengths,
+        }
+        return self.head(h), new_state
+
+    def step(self, x_t: Tensor, state: State) -> tuple[Tensor, State]:
+        self._check_input(x_t, 2)
+        seen = state["events"]
+        share = (1.0 / (seen + 1).to(self.state_dtype))[:, None, None]  # [B, 1, 1]
+        h = self.encoder(x_t)
+        if torch.is_grad_enabled():  # out= cannot be differentiated: fresh tensors per layer, then stacked
+            s_means, z_means = [], []
+            for layer, block in enumerate(self.blocks):
+                h, s, z = block.step(h, state["s"][:, layer], state["z"][:, layer], share)
+                s_means.append(s)
+                z_means.append(z)
+            new_state = {"s": torch.stack(s_means, 1), "z": torch.stack(z_means, 1)}
+        else:  # serving: each layer writes straight into one new state, saving the stack's copy (~7% of a step)
+            new_state = {"s": torch.empty_like(state["s"]), "z": torch.empty_like(state["z"])}
+            for layer, block in enumerate(self.blocks):
+                into = (new_state["s"][:, layer], new_state["z"][:, layer])
+                h, _, _ = block.step(h, state["s"][:, layer], state["z"][:, layer], share, into)
+        new_state["events"] = seen + 1
+        return self.head(h), new_state

@@ -1,0 +1,76 @@
+"""Registry, configs and input validation: what a person sees when they get something wrong."""
+
+import pytest
+import torch
+
+from models.contract import DetectorConfig
+from models.registry import REGISTRY, build_detector, config_class
+from tests.models.helpers import DETECTORS, make_detector, make_events
+
+
+def test_registry_names_the_three_detectors():
+    assert set(REGISTRY) == {"lstm", "transformer", "linear_transformer"}
+    for name, (config_type, detector_type) in REGISTRY.items():
+        assert detector_type.name == name and issubclass(config_type, DetectorConfig)
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+def test_default_configs_are_the_documented_size(name):
+    config = config_class(name)()
+    assert (config.d_model, config.num_layers, config.num_features, config.terminal_buckets) == (
+        64,
+        2,
+        26,
+        4096,
+    )
+    assert getattr(config, "num_heads", 4) == 4
+    assert getattr(config, "window_events", 64) == 64
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+def test_config_travels_as_a_dict_and_rebuilds_the_same_detector(name):
+    detector = make_detector(name)
+    values = detector.config.to_dict()
+    rebuilt = build_detector(name, values)
+    assert rebuilt.config == detector.config
+    rebuilt.load_state_dict(detector.state_dict())
+    x = make_events(detector, 2, 9).float()
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(x)[0], detector.float()(x)[0])
+    assert build_detector(name).config == config_class(name)()
+    assert config_class(name).tiny().fingerprint() != config_class(name)().fingerprint()
+
+
+def test_mistakes_raise_errors_that_say_what_to_do():
+    with pytest.raises(
+        ValueError,
+        match=r"unknown detector 'gru'; known detectors: \['linear_transformer', 'lstm', 'transformer'\]",
+    ):
+        build_detector("gru")
+    with pytest.raises(ValueError, match=r"no field\(s\) \['window_events'\]"):
+        build_detector("lstm", {"window_events": 8})
+    with pytest.raises(TypeError, match="takes a LSTMConfig, got a TransformerConfig"):
+        build_detector("lstm", config_class("transformer")())
+    with pytest.raises(ValueError, match=r"d_model = 10 must be a multiple of num_heads = 4"):
+        config_class("transformer")(d_model=10)
+    with pytest.raises(ValueError, match=r"num_layers = 0: expected an integer >= 1"):
+        config_class("lstm")(num_layers=0)
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+def test_bad_inputs_are_named(name):
+    detector = make_detector(name)
+    x = make_events(detector, 2, 5)
+    with pytest.raises(
+        ValueError, match=r"expected input of shape \[B, T, F\] with F = 6 .* got \[2, 5, 5\]"
+    ):
+        detector(x[..., 1:])
+    with pytest.raises(ValueError, match=r"expected input of shape \[B, F\]"):
+        detector.step(x, detector.init_state(2))
+    x[1, 3, -1] = 16  # one past the last bucket
+    with pytest.raises(ValueError, match=r"terminal bucket index 16 is outside \[0, 16\)"):
+        detector(x)
+    with pytest.raises(
+        ValueError, match=r"lengths must be \[B\] = \[2\] integers in \[0, T = 5\], got \[6, 1\]"
+    ):
+        detector(x, lengths=torch.tensor([6, 1]))
