@@ -7,6 +7,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Re-install whenever pyproject.toml changes; otherwise a second run skips straight to the work.
+# --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set (as here), nothing else writes .pyc files and
+# every process would compile torch, Lightning and MLflow from source again (tens of seconds each).
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format kafka-install kafka-start kafka-stop clean
@@ -14,7 +16,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade uv
-	$(BIN)/uv pip install --python $(BIN)/python --quiet -e '.[dev]'
+	$(BIN)/uv pip install --python $(BIN)/python --quiet --compile-bytecode -e '.[dev]'
 	@touch $(STAMP)
 
 kafka-install:
