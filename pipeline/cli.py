@@ -46,6 +46,32 @@ def _features(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from pipeline.train import train
+    from pipeline.train_config import load_train_config
+
+    cfg = load_train_config(
+        args.data,
+        args.config,
+        args.set or [],
+        model=args.model,
+        train_period=args.train_period,
+        test_period=args.test_period,
+        accelerator=args.accelerator,
+        devices=args.devices,
+    )
+    train(cfg)
+    return 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from pipeline.tracking import promote
+
+    version = promote(args.alias, args.model_name, run_id=args.run, version=args.version)
+    print(f"{args.model_name}@{args.alias} -> version {version}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pipeline.bench import pin_to_one_core
 
@@ -101,6 +127,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, required=True, help="dataset directory")
     p.add_argument("--out", type=Path, default=None, help="write the feature table to this Parquet file")
     p.set_defaults(run=_features)
+
+    p = sub.add_parser("train", help="train a detector or baseline, test it, track it in MLflow")
+    p.add_argument("--data", type=Path, required=True, help="dataset directory")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="lstm | transformer | linear_transformer | logreg | random_forest | hist_gbdt | isolation_forest "
+        "(default linear_transformer)",
+    )
+    p.add_argument("--config", type=Path, default=None, help="YAML of train settings (configs/train/*.yaml)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a setting, e.g. --set max_epochs=3 --set model_config.d_model=32 (repeatable)",
+    )
+    p.add_argument("--train-period", default=None, help="START:END ISO dates, end exclusive")
+    p.add_argument("--test-period", default=None, help="START:END ISO dates, end exclusive")
+    p.add_argument("--accelerator", default=None, help="cpu (default) | gpu")
+    p.add_argument("--devices", type=int, default=None, help="GPUs to use; > 1 trains with DDP")
+    p.set_defaults(run=_train)
+
+    p = sub.add_parser("promote", help="point a registered-model alias (e.g. champion) at a version")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run", default=None, help="the training run whose registered version to promote")
+    which.add_argument("--version", type=int, default=None, help="the model version to promote")
+    p.add_argument("--alias", default="champion")
+    p.add_argument("--model-name", default="txsentinel", help="registered model name (default txsentinel)")
+    p.set_defaults(run=_promote)
 
     p = sub.add_parser("bench", help="benchmarks that print a table")
     bench = p.add_subparsers(dest="bench", required=True, metavar="WHAT")

@@ -1,0 +1,86 @@
+"""MLflow: where runs go, how a trained detector becomes a registered model, and aliases.
+
+Default tracking store: SQLite `mlflow.db` in the working directory (browse it with
+`mlflow ui --backend-store-uri sqlite:///mlflow.db`); MLFLOW_TRACKING_URI points anywhere else.
+"""
+
+import os
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+from pipeline.artifact import MODEL_DIR_ARTIFACT
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def configure_tracking() -> str:
+    # Usage telemetry would try to reach the internet from training machines and CI; keep it off.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+class _ScoringModel(mlflow.pyfunc.PythonModel):
+    """pyfunc face of the artifact: feature rows of one account's events in order -> scores."""
+
+    def load_context(self, context):
+        from pipeline.artifact import load_model_dir
+
+        self.model = load_model_dir(Path(context.artifacts[MODEL_DIR_ARTIFACT]))
+
+    def predict(self, context, model_input, params=None):
+        import numpy as np
+        import torch
+
+        x = torch.as_tensor(np.asarray(model_input, dtype=np.float32))[None]  # [1, T, F + 1]
+        with torch.inference_mode():
+            scores, _ = self.model.detector(x)
+        return torch.sigmoid(scores[0]).numpy()
+
+
+def pinned_requirements(*packages: str) -> list[str]:
+    """This environment's versions of `packages`, so MLflow need not infer them (inference imports the
+    model in a subprocess and costs tens of seconds per run)."""
+    import importlib.metadata
+
+    return [f"{name}=={importlib.metadata.version(name)}" for name in packages]
+
+
+SERVING_REQUIREMENTS = ("torch", "mlflow", "numpy", "polars", "pyyaml")
+
+
+def log_and_register(model_dir: Path, registered_name: str) -> tuple[str, int]:
+    """Log the artifact directory as this run's MLflow model and register it; returns (model URI, version)."""
+    info = mlflow.pyfunc.log_model(
+        name="model",
+        python_model=_ScoringModel(),
+        artifacts={MODEL_DIR_ARTIFACT: str(model_dir)},
+        registered_model_name=registered_name,
+        pip_requirements=pinned_requirements(*SERVING_REQUIREMENTS),
+    )
+    version = info.registered_model_version
+    return info.model_uri, int(version) if version is not None else -1
+
+
+def promote(alias: str, registered_name: str, run_id: str | None = None, version: int | None = None) -> int:
+    """Point `alias` at a model version (given, or the one a run registered); returns the version."""
+    if (run_id is None) == (version is None):
+        raise ValueError("promote: give exactly one of --run RUN_ID or --version N")
+    configure_tracking()
+    client = MlflowClient()
+    if run_id is not None:
+        versions = client.search_model_versions(f"name='{registered_name}' and run_id='{run_id}'")
+        if not versions:
+            raise ValueError(f"run {run_id} registered no version of model {registered_name!r}")
+        version = max(int(v.version) for v in versions)
+    client.set_registered_model_alias(registered_name, alias, str(version))
+    return int(version)
+
+
+def log_params(params: dict[str, Any]) -> None:
+    # MLflow caps a param value's length; configs are short, but a long period list must not fail the run.
+    mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
