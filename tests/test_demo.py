@@ -7,7 +7,9 @@ from pipeline.demo import DemoConfig, run_demo
 
 @pytest.mark.slow
 def test_demo_streams_through_kafka_and_matches_the_batch_features(kafka_bootstrap, tmp_path, capsys):
-    cfg = DemoConfig(accounts=200, days=45, stream_days=3, workdir=tmp_path, bootstrap_servers=kafka_bootstrap)
+    cfg = DemoConfig(
+        accounts=200, days=45, stream_days=3, workdir=tmp_path, bootstrap_servers=kafka_bootstrap
+    )
     assert run_demo(cfg) == 0
     out = capsys.readouterr().out
     assert "(OK)" in out
