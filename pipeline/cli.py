@@ -76,9 +76,14 @@ def _bench(args: argparse.Namespace) -> int:
     from pipeline.bench import pin_to_one_core
 
     pin_to_one_core()
-    from pipeline.bench import run_feature_bench
+    if args.bench == "features":
+        from pipeline.bench import run_feature_bench
 
-    run_feature_bench(events=args.events, batch_events=args.batch_events, seed=args.seed)
+        run_feature_bench(events=args.events, batch_events=args.batch_events, seed=args.seed)
+    else:
+        from pipeline.bench_models import run_model_bench
+
+        run_model_bench(args.models or None)
     return 0
 
 
@@ -163,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--events", type=int, default=1_000_000, help="events to featurize (default 1M)")
     b.add_argument("--batch-events", type=int, default=500, help="stream micro-batch size (default 500)")
     b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(run=_bench)
+    b = bench.add_parser("models", help="detector training/serving cost, state size, step time vs history")
+    b.add_argument("models", nargs="*", help="detectors to bench (default: all)")
     b.set_defaults(run=_bench)
 
     p = sub.add_parser("demo", help="the main job end to end on embedded defaults (what `make demo` runs)")

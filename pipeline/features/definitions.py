@@ -13,6 +13,7 @@ Terminal fraud reports count fraud labels of the terminal whose label_ts falls o
 <= the event's ts: only what was known when the event happened.
 """
 
+import functools
 import zlib
 from collections.abc import Iterable, Mapping
 
@@ -77,17 +78,27 @@ def stable_hash(value: str) -> int:
     return zlib.crc32(value.encode("utf-8"))
 
 
+@functools.lru_cache(maxsize=1 << 20)
+def _terminal_hashes(terminal_id: str) -> tuple[int, int]:
+    # (embedding bucket, seen-bit). Cached: the stream meets the same terminals over and over. The seen-bit
+    # uses another crc32 seed, so the two hashes collide independently.
+    data = terminal_id.encode("utf-8")
+    return zlib.crc32(data) % TERMINAL_BUCKETS, zlib.crc32(data, 0x5EED) % SEEN_TERMINAL_BITS
+
+
+def terminal_hashes(terminal_ids: Iterable[str]) -> np.ndarray:
+    """[N, 2] int64: (embedding bucket, seen-bit) of each terminal id."""
+    return np.array(list(map(_terminal_hashes, terminal_ids)), dtype=np.int64).reshape(-1, 2)
+
+
 def terminal_bucket(terminal_ids: Iterable[str]) -> np.ndarray:
     """[N] int64 embedding row of each terminal id."""
-    return np.fromiter((stable_hash(t) % TERMINAL_BUCKETS for t in terminal_ids), dtype=np.int64)
+    return terminal_hashes(terminal_ids)[:, 0]
 
 
 def seen_bucket(terminal_ids: Iterable[str]) -> np.ndarray:
     """[N] int64 bit index of each terminal in an account's seen-terminal bitset."""
-    # A different hash family from terminal_bucket so the two collide independently.
-    return np.fromiter(
-        (zlib.crc32(t.encode("utf-8"), 0x5EED) % SEEN_TERMINAL_BITS for t in terminal_ids), dtype=np.int64
-    )
+    return terminal_hashes(terminal_ids)[:, 1]
 
 
 def derive_features(raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

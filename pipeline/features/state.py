@@ -10,7 +10,7 @@ import struct
 
 import numpy as np
 
-from pipeline.features.definitions import FEATURE_VERSION, RING_DAYS, SEEN_TERMINAL_BITS
+from pipeline.features.definitions import FEATURE_VERSION, RING_DAYS, SEEN_TERMINAL_BITS, WINDOW_DAYS
 
 STATE_VERSION = 1
 _MAGIC = b"TXSF"
@@ -69,14 +69,15 @@ class StateTable:
 
     def slots(self, keys: list[str]) -> np.ndarray:
         """[N] slot of each key, creating empty records for new keys."""
-        slot_of = self.slot_of
-        out = np.empty(len(keys), dtype=np.int64)
-        for i, key in enumerate(keys):
-            slot = slot_of.get(key)
-            if slot is None:
-                slot = self._allocate(key)
-            out[i] = slot
-        return out
+        found = list(map(self.slot_of.get, keys))  # C-speed look-ups; None for keys never seen
+        if None in found:
+            for i, slot in enumerate(found):
+                if slot is None:
+                    # A key repeated within `keys` is allocated once, at its first occurrence.
+                    found[i] = self.slot_of.get(keys[i])
+                    if found[i] is None:
+                        found[i] = self._allocate(keys[i])
+        return np.array(found, dtype=np.int64)
 
     def _allocate(self, key: str) -> int:
         if self._free:
@@ -141,12 +142,20 @@ def add_to_ring(
 
 
 def ring_window_sums(
-    records: np.ndarray, slots: np.ndarray, days: np.ndarray, field: str, day_field: str, window_days: int
-) -> np.ndarray:
-    """[N] sum of `field` over buckets whose day lies in days D-window+1 .. D, for each (slot, D)."""
+    records: np.ndarray, slots: np.ndarray, days: np.ndarray, fields: tuple[str, ...], day_field: str
+) -> dict[int, list[np.ndarray]]:
+    """For each window d in WINDOW_DAYS: [sum over buckets with day in D-d+1 .. D of each field], per (slot, D).
+
+    The rings are gathered once per call ([N, RING_DAYS] each) and every window reuses them.
+    """
     held = records[day_field][slots]  # [N, RING_DAYS]
-    inside = (held <= days[:, None]) & (held > (days - window_days)[:, None])
-    return np.where(inside, records[field][slots], 0).sum(axis=1)
+    age = days[:, None] - held  # 0 = today; negative = a newer day (a late event); empty buckets are huge
+    values = [records[field][slots] for field in fields]
+    out = {}
+    for d in WINDOW_DAYS:
+        inside = (age >= 0) & (age < d)
+        out[d] = [np.where(inside, v, 0).sum(axis=1) for v in values]
+    return out
 
 
 def encode_tables(tables: dict[str, StateTable]) -> bytes:

@@ -26,8 +26,7 @@ from pipeline.features.definitions import (
     WINDOW_DAYS,
     derive_features,
     feature_matrix,
-    seen_bucket,
-    terminal_bucket,
+    terminal_hashes,
 )
 from pipeline.features.state import (
     ACCOUNT_STATE,
@@ -106,19 +105,23 @@ class StreamingFeaturizer:
         self, events: EventBatch, labels: LabelBatch | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Features [N, F] float64 and terminal buckets [N] int64 of a micro-batch; updates the state."""
-        raw = self.raw_aggregates(events, labels)
-        return feature_matrix(derive_features(raw)), terminal_bucket(events.terminal_ids)
+        raw, hashes = self._raw(events, labels)
+        return feature_matrix(derive_features(raw)), hashes[:, 0]
 
     def raw_aggregates(self, events: EventBatch, labels: LabelBatch | None = None) -> dict[str, np.ndarray]:
+        return self._raw(events, labels)[0]
+
+    def _raw(self, events: EventBatch, labels: LabelBatch | None) -> tuple[dict[str, np.ndarray], np.ndarray]:
         ts_us = np.asarray(events.ts_us, dtype=np.int64)
         amounts = np.asarray(events.amounts, dtype=np.float64)
         days = ts_us // DAY_US
+        hashes = terminal_hashes(events.terminal_ids)  # [N, 2]: embedding bucket, seen-bit
         raw: dict[str, np.ndarray] = {"amount": amounts, "ts_us": ts_us}
-        raw.update(self._account_part(events.account_ids, events.terminal_ids, ts_us, days, amounts))
+        raw.update(self._account_part(events.account_ids, hashes[:, 1], ts_us, days, amounts))
         raw.update(self._terminal_part(events.terminal_ids, ts_us, days, labels))
-        return raw
+        return raw, hashes
 
-    def _account_part(self, account_ids, terminal_ids, ts_us, days, amounts) -> dict[str, np.ndarray]:
+    def _account_part(self, account_ids, bits, ts_us, days, amounts) -> dict[str, np.ndarray]:
         n = len(ts_us)
         table = self.accounts
         slots = table.slots(list(account_ids))
@@ -153,7 +156,6 @@ class StreamingFeaturizer:
         out["gap_s"] = np.where(has_prev, np.maximum(ts_us - prev_ts, 0) / SECOND_US, 0.0)
 
         # Terminal seen before: bit in the state's bitset, or an earlier event of this batch with the same bit.
-        bits = seen_bucket(terminal_ids)
         seen_state = (rec["seen_terminals"][slots, bits // 8] >> (bits % 8)) & 1
         pair = codes * 1024 + bits
         pair_order = np.argsort(pair, kind="stable")
@@ -162,12 +164,14 @@ class StreamingFeaturizer:
         out["terminal_seen"] = (seen_state.astype(bool) | repeat).astype(np.int64)
 
         in_batch = _in_batch_windows(key, amounts[order])
+        in_state = ring_window_sums(rec, slots, day_eff, ("day_count", "day_amount"), "day")
         for d, (count, total) in in_batch.items():
             c = np.empty(n, dtype=np.int64)
             s = np.empty(n)
             c[order], s[order] = count, total
-            out[f"account_count_{d}d"] = c + ring_window_sums(rec, slots, day_eff, "day_count", "day", d)
-            out[f"account_amount_{d}d"] = s + ring_window_sums(rec, slots, day_eff, "day_amount", "day", d)
+            state_count, state_amount = in_state[d]
+            out[f"account_count_{d}d"] = c + state_count
+            out[f"account_amount_{d}d"] = s + state_amount
 
         # Fold this batch into the state (after every read above).
         last = np.ones(n, dtype=bool)  # last event of each account in this batch, in arrival order
@@ -194,15 +198,17 @@ class StreamingFeaturizer:
         day_eff[order] = key % _DAY_SPAN
 
         out: dict[str, np.ndarray] = {}
+        counts_in_state = ring_window_sums(rec, slots, day_eff, ("day_count",), "day")
         for d, (count, _) in _in_batch_windows(key, None).items():
             c = np.empty(n, dtype=np.int64)
             c[order] = count
-            out[f"terminal_count_{d}d"] = c + ring_window_sums(rec, slots, day_eff, "day_count", "day", d)
+            out[f"terminal_count_{d}d"] = c + counts_in_state[d][0]
 
         fraud = self._fraud_labels(labels)
         label_slots = table.slots(list(fraud[0])) if fraud is not None else None
+        reports_in_state = ring_window_sums(rec, slots, day_eff, ("report_count",), "report_day")
         for d in WINDOW_DAYS:
-            reports = ring_window_sums(rec, slots, day_eff, "report_count", "report_day", d)
+            reports = reports_in_state[d][0]
             if fraud is not None:
                 # Few fraud labels per batch: a [N, L] comparison is cheaper than sorting.
                 _, label_us = fraud
