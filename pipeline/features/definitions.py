@@ -74,21 +74,21 @@ FEATURE_NAMES: tuple[str, ...] = (
 TERMINAL_BUCKET_COLUMN = "terminal_bucket"
 
 
-def stable_hash(value: str) -> int:
-    return zlib.crc32(value.encode("utf-8"))
-
-
 @functools.lru_cache(maxsize=1 << 20)
-def _terminal_hashes(terminal_id: str) -> tuple[int, int]:
-    # (embedding bucket, seen-bit). Cached: the stream meets the same terminals over and over. The seen-bit
-    # uses another crc32 seed, so the two hashes collide independently.
+def _terminal_code(terminal_id: str) -> int:
+    # bucket * SEEN_TERMINAL_BITS + seen-bit, one int so a batch converts with a single np.fromiter. Cached:
+    # the stream meets the same terminals over and over. The seen-bit uses another crc32 seed, so the two
+    # hashes collide independently.
     data = terminal_id.encode("utf-8")
-    return zlib.crc32(data) % TERMINAL_BUCKETS, zlib.crc32(data, 0x5EED) % SEEN_TERMINAL_BITS
+    return (zlib.crc32(data) % TERMINAL_BUCKETS) * SEEN_TERMINAL_BITS + zlib.crc32(
+        data, 0x5EED
+    ) % SEEN_TERMINAL_BITS
 
 
 def terminal_hashes(terminal_ids: Iterable[str]) -> np.ndarray:
     """[N, 2] int64: (embedding bucket, seen-bit) of each terminal id."""
-    return np.array(list(map(_terminal_hashes, terminal_ids)), dtype=np.int64).reshape(-1, 2)
+    codes = np.fromiter(map(_terminal_code, terminal_ids), dtype=np.int64)
+    return np.stack(np.divmod(codes, SEEN_TERMINAL_BITS), axis=1)
 
 
 def terminal_bucket(terminal_ids: Iterable[str]) -> np.ndarray:

@@ -146,16 +146,16 @@ def ring_window_sums(
 ) -> dict[int, list[np.ndarray]]:
     """For each window d in WINDOW_DAYS: [sum over buckets with day in D-d+1 .. D of each field], per (slot, D).
 
-    The rings are gathered once per call ([N, RING_DAYS] each) and every window reuses them.
+    One masked contraction for all windows and fields: masks [windows, N, RING_DAYS] against values
+    [fields, N, RING_DAYS]. Sums are float64 (counts stay exact far beyond any real count).
     """
-    held = records[day_field][slots]  # [N, RING_DAYS]
+    held = records[day_field][slots]  # [N, R]
     age = days[:, None] - held  # 0 = today; negative = a newer day (a late event); empty buckets are huge
-    values = [records[field][slots] for field in fields]
-    out = {}
-    for d in WINDOW_DAYS:
-        inside = (age >= 0) & (age < d)
-        out[d] = [np.where(inside, v, 0).sum(axis=1) for v in values]
-    return out
+    windows = np.asarray(WINDOW_DAYS)[:, None, None]
+    masks = ((age[None] >= 0) & (age[None] < windows)).astype(np.float64)  # [Wn, N, R]
+    values = np.stack([records[field][slots] for field in fields]).astype(np.float64)  # [K, N, R]
+    sums = np.einsum("wnr,knr->wkn", masks, values)  # [Wn, K, N]
+    return {d: list(sums[i]) for i, d in enumerate(WINDOW_DAYS)}
 
 
 def encode_tables(tables: dict[str, StateTable]) -> bytes:
