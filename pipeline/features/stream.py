@@ -60,14 +60,22 @@ class LabelBatch:
     is_fraud: np.ndarray
 
 
-def _group(codes: np.ndarray, days: np.ndarray, state_max_day: np.ndarray):
-    """Order events by (entity, arrival) and build the composite key with late days clamped.
+def _entity_batch(table: StateTable, keys: Sequence[str], days: np.ndarray):
+    """A batch's events as seen by one entity kind (accounts or terminals).
 
-    Returns order [N] and key [N] in that order; key is non-decreasing, so window starts are searchsorted.
+    Returns slots [N] (records in `table`, created for new keys), codes [N] (0.. within this batch),
+    order [N] (events by entity, then arrival), key [N] (entity * 2**20 + day, in `order`, non-decreasing,
+    so window starts are searchsorted) and day_eff [N] (each event's day, clamped to the newest day its
+    entity has seen, so a late event's windows end there).
     """
+    slots = table.slots(list(keys))
+    _, codes = np.unique(slots, return_inverse=True)
     order = np.argsort(codes, kind="stable")
-    key = codes[order] * _DAY_SPAN + np.maximum(days[order], state_max_day[order])
-    return order, np.maximum.accumulate(key)
+    state_max_day = table.records["max_day"][slots].astype(np.int64)
+    key = np.maximum.accumulate(codes[order] * _DAY_SPAN + np.maximum(days[order], state_max_day[order]))
+    day_eff = np.empty(len(keys), dtype=np.int64)
+    day_eff[order] = key % _DAY_SPAN
+    return slots, codes, order, key, day_eff
 
 
 def _in_batch_windows(key: np.ndarray, values: np.ndarray | None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -123,13 +131,8 @@ class StreamingFeaturizer:
 
     def _account_part(self, account_ids, bits, ts_us, days, amounts) -> dict[str, np.ndarray]:
         n = len(ts_us)
-        table = self.accounts
-        slots = table.slots(list(account_ids))
-        rec = table.records
-        _, codes = np.unique(slots, return_inverse=True)
-        order, key = _group(codes, days, rec["max_day"][slots].astype(np.int64))
-        day_eff = np.empty(n, dtype=np.int64)
-        day_eff[order] = key % _DAY_SPAN
+        slots, codes, order, key, day_eff = _entity_batch(self.accounts, account_ids, days)
+        rec = self.accounts.records  # after _entity_batch: creating records may have grown the array
         first_in_group = np.ones(n, dtype=bool)
         first_in_group[1:] = codes[order][1:] != codes[order][:-1]
 
@@ -190,12 +193,10 @@ class StreamingFeaturizer:
     def _terminal_part(self, terminal_ids, ts_us, days, labels: LabelBatch | None) -> dict[str, np.ndarray]:
         n = len(ts_us)
         table = self.terminals
-        slots = table.slots(list(terminal_ids))
-        rec = table.records
-        _, codes = np.unique(slots, return_inverse=True)
-        order, key = _group(codes, days, rec["max_day"][slots].astype(np.int64))
-        day_eff = np.empty(n, dtype=np.int64)
-        day_eff[order] = key % _DAY_SPAN
+        fraud = self._fraud_labels(labels)
+        label_slots = table.slots(list(fraud[0])) if fraud is not None else None
+        slots, codes, order, key, day_eff = _entity_batch(table, terminal_ids, days)
+        rec = table.records  # only now: creating records for new terminals may have grown the array
 
         out: dict[str, np.ndarray] = {}
         counts_in_state = ring_window_sums(rec, slots, day_eff, ("day_count",), "day")
@@ -204,8 +205,6 @@ class StreamingFeaturizer:
             c[order] = count
             out[f"terminal_count_{d}d"] = c + counts_in_state[d][0]
 
-        fraud = self._fraud_labels(labels)
-        label_slots = table.slots(list(fraud[0])) if fraud is not None else None
         reports_in_state = ring_window_sums(rec, slots, day_eff, ("report_count",), "report_day")
         for d in WINDOW_DAYS:
             reports = reports_in_state[d][0]

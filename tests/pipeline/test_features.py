@@ -226,3 +226,18 @@ def test_features_do_not_see_later_events_or_later_labels(generated):
     np.testing.assert_array_equal(
         truncated.select(FEATURE_NAMES).to_numpy(), full_past.select(FEATURE_NAMES).to_numpy()
     )
+
+
+def test_state_written_in_a_batch_that_grows_the_tables_is_not_lost():
+    # 1,100 fraud labels at terminals never seen before grow the terminal table past its initial capacity in
+    # the middle of a batch; what the batch writes must land in the grown table.
+    featurizer = StreamingFeaturizer()
+    label_terminals = [f"L{i}" for i in range(1_100)]
+    labels = LabelBatch(label_terminals, np.full(1_100, DAY_US), np.ones(1_100, bool))
+    featurizer.transform(EventBatch(["a"], ["t0"], np.array([DAY_US + 5]), np.array([3.0])), labels)
+    record = np.frombuffer(featurizer.terminals.get_bytes("t0"), dtype=featurizer.terminals.dtype)[0]
+    assert record["day_count"].sum() == 1
+    reported = np.frombuffer(featurizer.terminals.get_bytes("L1099"), dtype=featurizer.terminals.dtype)[0]
+    assert reported["report_count"].sum() == 1
+    raw = featurizer.raw_aggregates(EventBatch(["b"], ["t0"], np.array([DAY_US + 9]), np.array([3.0])))
+    assert raw["terminal_count_1d"].tolist() == [2]
