@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from pipeline.sequences import AccountSequences
+from pipeline.sequences import AccountSequences  # numpy only: no polars needed to train
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
-from sklearn.metrics import average_precision_score, roc_auc_score
 
+from pipeline.metrics import event_metrics
 from pipeline.splits import Period, ranking_exclusions
 
 
@@ -33,14 +33,6 @@ class DetectionMetrics:
             f"{prefix}events": float(self.events),
             f"{prefix}frauds": float(self.frauds),
         }
-
-
-def event_metrics(scores: np.ndarray, is_fraud: np.ndarray) -> tuple[float, float]:
-    """(ROC AUC, AP) over events; NaN when the events hold a single class (the metrics are undefined)."""
-    is_fraud = np.asarray(is_fraud, dtype=bool)
-    if is_fraud.all() or not is_fraud.any():
-        return float("nan"), float("nan")
-    return float(roc_auc_score(is_fraud, scores)), float(average_precision_score(is_fraud, scores))
 
 
 def card_precision_at_k(

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from models.contract import RecurrentDetector, State, detach_state
-from pipeline.evaluation import event_metrics
+from pipeline.metrics import event_metrics
 
 
 class DetectorModule(pl.LightningModule):

@@ -4,15 +4,18 @@ Events of an account are ordered by (ts, event_id); accounts are laid end to end
 starts: events of account a are rows offsets[a] .. offsets[a + 1] - 1.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import numpy as np
-import polars as pl
 
-from pipeline.features.definitions import TERMINAL_BUCKET_COLUMN
-from pipeline.features.spec import FeatureSpec
-from pipeline.splits import known_target
+if TYPE_CHECKING:
+    import polars as pl
+
+    from pipeline.features.spec import FeatureSpec
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,13 @@ def build_sequences(
 
     Targets hold only labels known before `label_cutoff` (None: every label, for evaluation-only use).
     """
+    # Imported here, not at the top: the arrays above are all that training needs, and the GPU check runs
+    # them where polars is not installed.
+    import polars as pl
+
+    from pipeline.features.definitions import TERMINAL_BUCKET_COLUMN
+    from pipeline.splits import known_target
+
     labelled = "is_fraud" in features.columns
     if label_cutoff is None:
         target = pl.col("is_fraud").fill_null(False) if labelled else pl.lit(False)
