@@ -1,9 +1,11 @@
 """Batch form of the features: polars over a whole dataset (see `definitions.py` for what they mean).
 
-Every windowed aggregate uses one trick: sort the events of an entity (account or terminal) by
-(entity, event order), build an integer key `entity * 2**20 + day`, and the first event of the window
-"days D-d+1 .. D" is `key.search_sorted(key - (d - 1))`. Counts are then index differences and sums are
-differences of a running sum — no per-group Python and no materialised windows.
+Every windowed aggregate uses one trick: lay the events of each entity (account or terminal) out in
+(entity, event order) — a counting sort from per-entity ranks, no comparison sort — build an integer key
+`entity * 2**20 + day`, and the first event of the window "days D-d+1 .. D" is
+`searchsorted(key, key - (d - 1))`. Counts are then index differences and sums are differences of a
+per-entity running sum; everything comes back in event order without a scatter. Polars does the
+relational work (codes, per-entity ranks and running sums, as-of joins for label times).
 """
 
 import numpy as np
@@ -37,57 +39,74 @@ PASSTHROUGH: tuple[str, ...] = (
 )
 
 
-def _windowed(frame: pl.DataFrame, entity: str, value: str | None, prefix: str) -> dict[str, pl.Series]:
-    """Count (and sum of `value`) over days D-d+1 .. D up to and including each row, for every window.
+def _windowed(
+    codes: np.ndarray, rank: np.ndarray, days: np.ndarray, prefix: str, values=None, running=None
+) -> dict[str, np.ndarray]:
+    """Count (and sum of `values`) over days D-d+1 .. D up to and including each event, for every window.
 
-    `frame` is sorted by (entity, event order) and has `key` = entity * 2**20 + day.
+    All inputs and outputs are [N] in event order: `codes` the entity of each event (0..E-1), `rank` its
+    position among its entity's events, `running` the per-entity running sum of `values`. Laying the events
+    out by (entity, event order) needs no sort: an entity's events start where the counts of the entities
+    before it end, so each event's place is that start plus its rank.
     """
-    key = frame["key"]
-    position = pl.int_range(key.len(), dtype=pl.Int64, eager=True)
-    # Running sums restart per entity, so an entity's sums never depend on rounding of other entities' data.
-    running = None if value is None else frame.select(pl.col(value).cum_sum().over(entity))[value]
+    starts = np.zeros(int(codes.max()) + 1 if len(codes) else 0, dtype=np.int64)
+    np.cumsum(np.bincount(codes)[:-1], out=starts[1:])
+    place = starts[codes] + rank  # [N] position in the (entity, event order) layout
+    key = np.empty_like(place)
+    key[place] = codes * _DAY_SPAN + days  # non-decreasing in that layout
+    if values is not None:
+        laid_running, laid_values = np.empty(len(place)), np.empty(len(place))
+        laid_running[place], laid_values[place] = running, values
     out = {}
     for d in WINDOW_DAYS:
-        start = key.search_sorted(key - (d - 1), side="left")
-        out[f"{prefix}_count_{d}d"] = position - start.cast(pl.Int64) + 1
-        if running is not None:
-            # Sum from `start` to here: running[i] - (running[start] - value[start]).
-            out[f"{prefix}_amount_{d}d"] = running - running.gather(start) + frame[value].gather(start)
+        start = np.searchsorted(key, key - (d - 1), side="left")  # first event of the window, same layout
+        out[f"{prefix}_count_{d}d"] = rank - (start[place] - starts[codes]) + 1
+        if values is not None:
+            # Sum from `start` to here: running[here] - (running[start] - value[start]).
+            first = start[place]
+            out[f"{prefix}_amount_{d}d"] = running - laid_running[first] + laid_values[first]
     return out
 
 
-def _account_aggregates(events: pl.DataFrame) -> dict[str, pl.Series]:
-    """Account aggregates, in (account, event order); `seq` says where each row belongs."""
+def _account_aggregates(events: pl.DataFrame) -> dict[str, np.ndarray]:
+    """Account aggregates in event order."""
     log_amount = pl.col("amount").log1p()
-    first_of_account = pl.col("account") != pl.col("account").shift(1, fill_value=-1)
-    by_account = events.sort("account", maintain_order=True).with_columns(
-        key=pl.col("account") * _DAY_SPAN + pl.col("day")
-    )
-    columns = by_account.select(
-        "seq",
+    # Per-account running sums (over() keeps event order): an account's sums never depend on the rounding
+    # of other accounts' data, so removing later events changes nothing earlier, bit for bit.
+    columns = events.select(
         pl.int_range(pl.len(), dtype=pl.Int64).over("account").alias("prev_count"),
         (log_amount.cum_sum().over("account") - log_amount).alias("prev_sum_log_amount"),
         ((log_amount * log_amount).cum_sum().over("account") - log_amount * log_amount).alias(
             "prev_sumsq_log_amount"
         ),
-        pl.when(first_of_account).then(0.0).otherwise(pl.col("ts_us").diff() / SECOND_US).alias("gap_s"),
-        # Rows are in event order within an account, so the first occurrence of (account, bucket) is the
-        # first time the account used a terminal of that bucket.
+        (pl.col("ts_us").diff().over("account").fill_null(0) / SECOND_US).alias("gap_s"),
+        # Events are in event order, so the first occurrence of (account, bucket) is the first time the
+        # account used a terminal of that bucket.
         (~(pl.col("account") * 1024 + pl.col("seen_bucket")).is_first_distinct())
         .cast(pl.Int64)
         .alias("terminal_seen"),
+        pl.col("amount").cum_sum().over("account").alias("running_amount"),
     )
-    return {**columns.to_dict(), **_windowed(by_account, "account", "amount", "account")}
-
-
-def _terminal_counts(events: pl.DataFrame) -> dict[str, pl.Series]:
-    by_terminal = events.sort("terminal", maintain_order=True).with_columns(
-        key=pl.col("terminal") * _DAY_SPAN + pl.col("day")
+    out = {name: columns[name].to_numpy() for name in columns.columns if name != "running_amount"}
+    out.update(
+        _windowed(
+            events["account"].to_numpy(),
+            out["prev_count"],
+            events["day"].to_numpy(),
+            "account",
+            values=events["amount"].to_numpy(),
+            running=columns["running_amount"].to_numpy(),
+        )
     )
-    return {"seq": by_terminal["seq"], **_windowed(by_terminal, "terminal", None, "terminal")}
+    return out
 
 
-def _terminal_reports(events: pl.DataFrame) -> dict[str, pl.Series]:
+def _terminal_counts(events: pl.DataFrame) -> dict[str, np.ndarray]:
+    rank = events.select(pl.int_range(pl.len(), dtype=pl.Int64).over("terminal"))["literal"].to_numpy()
+    return _windowed(events["terminal"].to_numpy(), rank, events["day"].to_numpy(), "terminal")
+
+
+def _terminal_reports(events: pl.DataFrame) -> dict[str, np.ndarray]:
     """Fraud labels of the terminal with label_ts on days D-d+1 .. D and label_ts <= the event's ts."""
     reports = (
         events.lazy()
@@ -102,13 +121,13 @@ def _terminal_reports(events: pl.DataFrame) -> dict[str, pl.Series]:
     by_time = events.select("seq", "terminal", "ts_us", "day")
     asof = {"right_on": "label_us", "by": "terminal", "strategy": "backward", "check_sortedness": False}
     upto_now = by_time.join_asof(reports, left_on="ts_us", **asof)["reports_so_far"].fill_null(0)
-    out = {"seq": by_time["seq"]}
+    out = {}
     for d in WINDOW_DAYS:
         window_start = by_time.with_columns(((pl.col("day") - (d - 1)) * DAY_US).alias("start_us"))
         before_window = window_start.join_asof(
             reports, left_on="start_us", allow_exact_matches=False, **asof
         )["reports_so_far"].fill_null(0)
-        out[f"terminal_reports_{d}d"] = upto_now - before_window
+        out[f"terminal_reports_{d}d"] = (upto_now - before_window).to_numpy()
     return out
 
 
@@ -151,17 +170,9 @@ def _raw_from_events(events: pl.DataFrame) -> dict[str, np.ndarray]:
         "amount": events["amount"].to_numpy(),
         "ts_us": events["ts_us"].to_numpy(),
     }
-    for block in (_account_aggregates(events), _terminal_counts(events), _terminal_reports(events)):
-        seq = block.pop("seq")
-        in_event_order = seq.is_sorted()
-        seq = seq.to_numpy()
-        for name, column in block.items():
-            if in_event_order:
-                raw[name] = column.to_numpy()
-                continue
-            values = np.empty(len(seq), dtype=column.to_numpy().dtype)
-            values[seq] = column.to_numpy()  # back to event order
-            raw[name] = values
+    raw.update(_account_aggregates(events))
+    raw.update(_terminal_counts(events))
+    raw.update(_terminal_reports(events))
     return {name: raw[name] for name in RAW_FIELDS}
 
 
