@@ -1,0 +1,120 @@
+"""One account's serving state as one versioned byte record: what the state changelog stores per account.
+
+The record joins what the scorer keeps for an account in two places — the streaming featurizer's account
+record and the detector's recurrent state — with the exactly-once bookkeeping: the last applied source
+position (partition, offset) and the newest event ts applied. Restoring it reproduces the account exactly.
+
+Layout (little-endian):
+
+    MAGIC "TXSA" (4) | RECORD_VERSION (u16) | featurizer state version (u16) | feature version (u16)
+    | model fingerprint (8) | partition (i32) | offset (i64) | last ts µs (i64)
+    | featurizer record length (u32) | detector record length (u32)
+    | featurizer record (pipeline.features.state.ACCOUNT_STATE bytes) | detector record (models.contract)
+
+The detector record carries its own header (detector name, config fingerprint, dtype). The model
+fingerprint adds the weights: a state written under other weights of the same architecture (a retrained
+model) is not a state of this model, even though its layout fits.
+Bump RECORD_VERSION whenever this layout changes.
+"""
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from models.contract import RecurrentDetector
+from pipeline.features.definitions import FEATURE_VERSION
+from pipeline.features.state import ACCOUNT_STATE
+from pipeline.features.state import STATE_VERSION as FEATURIZER_STATE_VERSION
+
+MAGIC = b"TXSA"
+RECORD_VERSION = 1
+NO_POSITION = -1  # partition and offset of an account with no applied source position
+NO_TS = -(2**63)  # last_ts_us of an account with no event: older than any ts
+_HEADER = struct.Struct("<4sHHH8siqqII")
+
+_REBUILD = (
+    "restore it with the model and txsentinel version that wrote it, or drop it and rebuild the account's "
+    "state by replaying its history through this model"
+)
+
+
+@dataclass(frozen=True)
+class AccountRecord:
+    features: bytes  # the featurizer's account record (StateTable bytes, ACCOUNT_STATE dtype)
+    detector: bytes  # models.contract.encode_account_state of the account's recurrent state
+    model: bytes  # 8-byte model_fingerprint of the detector that wrote `detector`
+    partition: int = NO_POSITION  # source partition of the last applied event
+    offset: int = NO_POSITION  # its offset in that partition
+    last_ts_us: int = NO_TS  # newest event ts applied to this account
+
+    def to_bytes(self) -> bytes:
+        header = _HEADER.pack(
+            MAGIC,
+            RECORD_VERSION,
+            FEATURIZER_STATE_VERSION,
+            FEATURE_VERSION,
+            self.model,
+            self.partition,
+            self.offset,
+            self.last_ts_us,
+            len(self.features),
+            len(self.detector),
+        )
+        return header + self.features + self.detector
+
+
+def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
+    """Parse a record written by AccountRecord.to_bytes, checking its format and feature versions.
+
+    Whether the detector part belongs to this model is checked by the scorer, which holds the model.
+    Raises ValueError naming the account, what does not match and what to do.
+    """
+    where = f"account state record of {account_id!r}"
+    if len(data) < _HEADER.size or not data.startswith(MAGIC):
+        raise ValueError(
+            f"{where}: not a txsentinel account state (starts with {bytes(data[:4])!r}, expected {MAGIC!r}, "
+            f"{len(data)} bytes)"
+        )
+    (_, version, state_version, feature_version, model, partition, offset, last_ts, n_feat, n_det) = (
+        _HEADER.unpack_from(data)
+    )
+    if version != RECORD_VERSION:
+        raise ValueError(
+            f"{where}: record version {version}, this txsentinel reads version {RECORD_VERSION}; {_REBUILD}"
+        )
+    if (state_version, feature_version) != (FEATURIZER_STATE_VERSION, FEATURE_VERSION):
+        raise ValueError(
+            f"{where}: featurizer state v{state_version} / features v{feature_version}, this txsentinel runs "
+            f"state v{FEATURIZER_STATE_VERSION} / features v{FEATURE_VERSION}; {_REBUILD}"
+        )
+    if n_feat != ACCOUNT_STATE.itemsize:
+        raise ValueError(
+            f"{where}: featurizer record of {n_feat} bytes, expected {ACCOUNT_STATE.itemsize}; {_REBUILD}"
+        )
+    if len(data) != _HEADER.size + n_feat + n_det:
+        raise ValueError(
+            f"{where}: {len(data)} bytes, but its header announces {_HEADER.size + n_feat + n_det}: the record "
+            "is truncated or corrupt"
+        )
+    start = _HEADER.size
+    return AccountRecord(
+        features=bytes(data[start : start + n_feat]),
+        detector=bytes(data[start + n_feat :]),
+        model=model,
+        partition=partition,
+        offset=offset,
+        last_ts_us=last_ts,
+    )
+
+
+def model_fingerprint(detector: RecurrentDetector) -> bytes:
+    """8 bytes identifying detector name, config and weights: the states a model writes are its own."""
+    digest = hashlib.sha256(detector.name.encode() + detector.config.fingerprint())
+    with torch.no_grad():
+        for key, value in sorted(detector.state_dict().items()):
+            tensor = value.detach().to("cpu").contiguous()
+            digest.update(f"{key}:{tensor.dtype}:{list(tensor.shape)}".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()[:8]
