@@ -72,6 +72,33 @@ def _promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backtest(args: argparse.Namespace) -> int:
+    from pipeline.backtest import BacktestConfig, backtest
+    from pipeline.splits import Period
+
+    backtest(
+        BacktestConfig(
+            data=args.data,
+            model_uri=args.model,
+            test_period=Period.parse(args.test_period) if args.test_period else None,
+            folds=args.folds,
+            k=args.k,
+            out=args.out,
+            log_to_mlflow=not args.no_mlflow,
+        )
+    )
+    if args.out is not None:
+        print(f"report written to {args.out}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pipeline.compare import compare
+
+    compare(experiment=args.experiment, metric=args.metric, out=args.out, data=args.data)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pipeline.bench import pin_to_one_core
 
@@ -161,6 +188,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alias", default="champion")
     p.add_argument("--model-name", default="txsentinel", help="registered model name (default txsentinel)")
     p.set_defaults(run=_promote)
+
+    p = sub.add_parser("backtest", help="replay history through the live scorer and report with the protocol")
+    p.add_argument("--data", type=Path, required=True, help="dataset directory")
+    p.add_argument(
+        "--model", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a dir"
+    )
+    p.add_argument(
+        "--test-period", default=None, help="START:END ISO dates, end exclusive (default: last 14 days)"
+    )
+    p.add_argument("--folds", type=int, default=1, help="prequential folds, shifted back by the test length")
+    p.add_argument("--k", type=int, default=100, help="k of Card Precision@k (default 100)")
+    p.add_argument("--out", type=Path, default=None, help="write JSON, CSV and plots here")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the results to MLflow")
+    p.set_defaults(run=_backtest)
+
+    p = sub.add_parser("compare", help="one table and plots of the runs in an MLflow experiment")
+    p.add_argument("--experiment", default="txsentinel")
+    p.add_argument("--metric", default="test/ap", help="MLflow metric to sort by (default test/ap)")
+    p.add_argument("--out", type=Path, default=None, help="write the table and plots here")
+    p.add_argument(
+        "--data", type=Path, default=None, help="dataset, for known-fraud exclusions in CP@k plots"
+    )
+    p.set_defaults(run=_compare)
 
     p = sub.add_parser("bench", help="benchmarks that print a table")
     bench = p.add_subparsers(dest="bench", required=True, metavar="WHAT")

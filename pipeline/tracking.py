@@ -19,6 +19,8 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 def configure_tracking() -> str:
     # Usage telemetry would try to reach the internet from training machines and CI; keep it off.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # One progress bar per downloaded artifact drowns the tables the commands print.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
     mlflow.set_tracking_uri(uri)
     return uri

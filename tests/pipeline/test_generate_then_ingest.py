@@ -110,7 +110,9 @@ def test_one_row_of_each_bad_kind_fails_naming_each_then_quarantine_keeps_the_re
     assert "6" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["generate", "ingest", "features", "bench", "demo"])
+@pytest.mark.parametrize(
+    "command", ["generate", "ingest", "features", "train", "promote", "backtest", "compare", "bench", "demo"]
+)
 def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])
