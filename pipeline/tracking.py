@@ -68,8 +68,45 @@ def log_and_register(model_dir: Path, registered_name: str) -> tuple[str, int]:
     return info.model_uri, int(version) if version is not None else -1
 
 
+PROMOTION_METRICS = (
+    ("val/threshold", "alert threshold"),
+    ("val/alerts_per_day", "alerts/day on validation"),
+    ("val/precision_at_threshold", "precision at the threshold (validation)"),
+    ("test/ap", "test AP"),
+    ("test/cp_at_100", "test CP@100"),
+    ("test/auc", "test AUC"),
+)
+
+
+def promotion_table(client: MlflowClient, registered_name: str, alias: str, version: int) -> str:
+    """What moving `alias` to `version` changes: the candidate's logged figures beside the current holder's."""
+    candidate = client.get_model_version(registered_name, str(version))
+    try:
+        current = client.get_model_version_by_alias(registered_name, alias)
+    except mlflow.exceptions.MlflowException:
+        current = None
+    columns = [("candidate", candidate)] + ([("current " + alias, current)] if current else [])
+    runs = {label: client.get_run(v.run_id) for label, v in columns}
+    lines = [f"{'':42s}" + "".join(f"{label:>20s}" for label, _ in columns)]
+    lines.append(f"{'version':42s}" + "".join(f"{'v' + str(v.version):>20s}" for _, v in columns))
+    lines.append(
+        f"{'detector':42s}"
+        + "".join(f"{runs[label].data.tags.get('detector', '?'):>20s}" for label, _ in columns)
+    )
+    for key, title in PROMOTION_METRICS:
+        cells = []
+        for label, _ in columns:
+            value = runs[label].data.metrics.get(key)
+            cells.append(f"{'-' if value is None else f'{value:.4f}':>20s}")
+        lines.append(f"{title:42s}" + "".join(cells))
+    if current is None:
+        lines.append(f"(no version holds @{alias} yet)")
+    return "\n".join(lines)
+
+
 def promote(alias: str, registered_name: str, run_id: str | None = None, version: int | None = None) -> int:
-    """Point `alias` at a model version (given, or the one a run registered); returns the version."""
+    """Point `alias` at a model version (given, or the one a run registered), after printing what changes;
+    returns the version."""
     if (run_id is None) == (version is None):
         raise ValueError("promote: give exactly one of --run RUN_ID or --version N")
     configure_tracking()
@@ -79,6 +116,7 @@ def promote(alias: str, registered_name: str, run_id: str | None = None, version
         if not versions:
             raise ValueError(f"run {run_id} registered no version of model {registered_name!r}")
         version = max(int(v.version) for v in versions)
+    print(promotion_table(client, registered_name, alias, int(version)))
     client.set_registered_model_alias(registered_name, alias, str(version))
     return int(version)
 

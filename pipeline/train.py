@@ -31,6 +31,7 @@ from pipeline.lightning_module import DetectorModule
 from pipeline.plots import log_evaluation
 from pipeline.sequences import AccountSequences, build_sequences
 from pipeline.splits import dataset_days
+from pipeline.thresholds import Threshold, choose_threshold
 from pipeline.tracking import configure_tracking, log_and_register, log_params
 from pipeline.train_config import TrainConfig, TrainResult, flatten, resolve_split
 
@@ -146,6 +147,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         if best:
             module.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
         train_seconds = time.perf_counter() - started
+        trainer.validate(module, datamodule=data, verbose=False)  # the best weights' validation scores
+        threshold = _threshold(module.scores["val"], train_seqs, cfg.alert_budget_per_day)
         trainer.test(module, datamodule=data, verbose=False)
         if not trainer.is_global_zero:
             return TrainResult(run_id, cfg.model, "", -1)
@@ -160,6 +163,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         results["model/step_us_per_event"] = step_cost_us_per_event(detector)
         results["train/seconds"] = train_seconds
         results["train/epochs"] = float(trainer.current_epoch)
+        results["val/threshold"] = threshold.value
+        results["val/alerts_per_day"] = threshold.validation_alerts_per_day
+        results["val/precision_at_threshold"] = threshold.validation_precision
         results = {k: v for k, v in results.items() if not (isinstance(v, float) and math.isnan(v))}
         mlflow.log_metrics(results)
         log_evaluation(scored, metrics, cfg.model)
@@ -170,6 +176,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             "trained_on": str(cfg.data),
             "split": {"train": str(split.train), "validation": str(validation), "test": str(split.test)},
             "metrics": results,
+            "threshold": threshold.value,
+            "alert_budget": threshold.as_meta(),
         }
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = save_model_dir(Path(tmp) / "model", detector, spec, meta)
@@ -178,9 +186,16 @@ def train(cfg: TrainConfig) -> TrainResult:
         f"trained {cfg.model}: run {run_id}, {cfg.registered_model} v{version}, "
         f"test AUC {metrics.auc:.3f} AP {metrics.ap:.3f} CP@{cfg.cp_k} {metrics.cp_at_k:.3f}, "
         f"parallel-vs-recurrent {results['test/parallel_vs_recurrent_max_abs']:.1e}, "
+        f"alert threshold {threshold.value:.3f} ({threshold.validation_alerts_per_day:.0f}/day on validation), "
         f"{train_seconds:.0f} s"
     )
     return TrainResult(run_id, cfg.model, model_uri, version, results)
+
+
+def _threshold(val_logits: np.ndarray, seqs: AccountSequences, budget_per_day: float) -> Threshold:
+    scored = ~np.isnan(val_logits)
+    probabilities = 1.0 / (1.0 + np.exp(-val_logits[scored].astype(np.float64)))
+    return choose_threshold(probabilities, seqs.target[scored] > 0.5, seqs.ts_us[scored], budget_per_day)
 
 
 def _scored_events(seqs: AccountSequences, scores: np.ndarray) -> pl.DataFrame:

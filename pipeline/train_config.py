@@ -51,6 +51,7 @@ class TrainConfig:
     seed: int = 0
 
     cp_k: int = 100
+    alert_budget_per_day: float = 50.0  # the alert threshold is chosen to raise this many alerts a day
     experiment: str = "txsentinel"
     registered_model: str = "txsentinel"
     out_dir: Path = Path("runs/train")

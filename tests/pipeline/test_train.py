@@ -52,7 +52,7 @@ def config(workspace, model: str, *overrides: str):
 
 
 @pytest.mark.slow
-def test_train_logs_metrics_registers_a_model_that_loads_and_scores_the_same_elsewhere(tracking):
+def test_train_logs_metrics_registers_a_model_that_loads_and_scores_the_same_elsewhere(tracking, capsys):
     cfg = config(tracking, "lstm", "model_config.d_model=8", "model_config.num_layers=1")
     result = train(cfg)
     for key in (
@@ -73,8 +73,12 @@ def test_train_logs_metrics_registers_a_model_that_loads_and_scores_the_same_els
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(result.run_id, "plots")}
     assert {"plots/pr_curve.png", "plots/cp_at_k_per_day.png"} <= artifacts
 
+    assert 0 < result.metrics["val/threshold"] < 1
+    assert result.metrics["val/alerts_per_day"] >= 1
+
     # Promote, then load through the alias in a fresh process that never imports the training code.
     assert promote("champion", "txsentinel", run_id=result.run_id) == result.version
+    assert "alerts/day on validation" in capsys.readouterr().out
     logged = pl.read_parquet(
         mlflow.artifacts.download_artifacts(run_id=result.run_id, artifact_path=SCORES_ARTIFACT)
     )
@@ -87,6 +91,7 @@ from pipeline.features import compute_features
 from pipeline.sequences import build_sequences
 from pipeline.diagnostics import account_inputs
 model = load_model("models:/txsentinel@champion")
+assert 0 < model.meta["threshold"] < 1
 frame = read_dataset("data")
 seqs = build_sequences(compute_features(frame).filter(pl.col("account_id") == {account!r}), model.spec, None)
 scores, _ = model.detector(account_inputs(seqs, 0)[None])
@@ -135,3 +140,17 @@ def test_train_config_precedence_and_errors(tmp_path):
         load_train_config(tmp_path, None, ["epochs=3"])
     with pytest.raises(ValueError, match="expected key=value"):
         load_train_config(tmp_path, None, ["max_epochs"])
+
+
+def test_threshold_raises_the_alert_budget_on_validation():
+    from pipeline.thresholds import DAY_US, choose_threshold
+
+    ts = np.repeat(np.arange(4) * DAY_US, 100)  # 4 days x 100 events
+    scores = np.tile(np.linspace(0, 1, 100), 4)
+    fraud = scores > 0.95
+    chosen = choose_threshold(scores, fraud, ts, budget_per_day=10)
+    assert chosen.validation_alerts_per_day == 10
+    assert chosen.value == pytest.approx(np.linspace(0, 1, 100)[90])
+    assert chosen.validation_precision == pytest.approx(5 / 10)
+    with pytest.raises(ValueError, match="alert budget must be > 0"):
+        choose_threshold(scores, fraud, ts, budget_per_day=0)
