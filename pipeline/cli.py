@@ -72,6 +72,29 @@ def _promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import yaml
+
+    from consumers.service import serve
+    from consumers.service_config import DEFAULT_CONFIG_FILE, load_serve_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    overrides = {}
+    for item in args.set or []:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected key=value, e.g. --set max_poll_records=200")
+        overrides[key.strip()] = yaml.safe_load(text)
+    if args.group_id:
+        overrides["group_id"] = args.group_id
+    cfg = load_serve_config(args.config or DEFAULT_CONFIG_FILE, overrides)
+    stats = serve(cfg, args.model, args.bootstrap_servers)
+    print(f"serve stopped: {stats}")
+    return 0
+
+
 def _backtest(args: argparse.Namespace) -> int:
     from pipeline.backtest import BacktestConfig, backtest
     from pipeline.splits import Period
@@ -188,6 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alias", default="champion")
     p.add_argument("--model-name", default="txsentinel", help="registered model name (default txsentinel)")
     p.set_defaults(run=_promote)
+
+    p = sub.add_parser("serve", help="score a Kafka stream: one member of the scoring consumer group")
+    p.add_argument(
+        "--model", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a dir"
+    )
+    p.add_argument(
+        "--bootstrap-servers", default="127.0.0.1:39092", help="Kafka bootstrap (default: project's)"
+    )
+    p.add_argument("--group-id", default=None, help="consumer group (default from the config)")
+    p.add_argument(
+        "--config", type=Path, default=None, help="serve settings YAML (default configs/serve.yaml)"
+    )
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting (repeatable)")
+    p.set_defaults(run=_serve)
 
     p = sub.add_parser("backtest", help="replay history through the live scorer and report with the protocol")
     p.add_argument("--data", type=Path, required=True, help="dataset directory")

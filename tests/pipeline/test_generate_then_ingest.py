@@ -111,7 +111,8 @@ def test_one_row_of_each_bad_kind_fails_naming_each_then_quarantine_keeps_the_re
 
 
 @pytest.mark.parametrize(
-    "command", ["generate", "ingest", "features", "train", "promote", "backtest", "compare", "bench", "demo"]
+    "command",
+    ["generate", "ingest", "features", "train", "promote", "serve", "backtest", "compare", "bench", "demo"],
 )
 def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -1,0 +1,97 @@
+"""The scoring service's counters, served over HTTP in the Prometheus text format (version 0.0.4).
+
+A handful of lines of text need no client library: `render()` writes them by hand, and a stdlib
+ThreadingHTTPServer on a daemon thread serves them at /metrics.
+"""
+
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+log = logging.getLogger(__name__)
+
+# name -> (type, help). Counters only grow; gauges are set.
+METRICS = {
+    "txsentinel_events_scored_total": ("counter", "Transactions scored (one score record each)."),
+    "txsentinel_events_dead_lettered_total": ("counter", "Input messages sent to the dead-letter topic."),
+    "txsentinel_alerts_total": ("counter", "Scores at or above the alert threshold."),
+    "txsentinel_batches_total": ("counter", "Polls processed and committed in one transaction each."),
+    "txsentinel_duplicates_dropped_total": ("counter", "Redelivered events already applied (not rescored)."),
+    "txsentinel_aborted_transactions_total": ("counter", "Transactions aborted (batch redelivered)."),
+    "txsentinel_restore_seconds_total": (
+        "counter",
+        "Time spent restoring account states from the changelog.",
+    ),
+    "txsentinel_restored_states_total": ("counter", "Account state records read from the changelog."),
+    "txsentinel_states_in_memory": ("gauge", "Account states held in memory."),
+    "txsentinel_assigned_partitions": ("gauge", "Transactions partitions assigned to this instance."),
+}
+
+
+class Metrics:
+    """Thread-safe named values; the service thread writes, the HTTP thread reads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(METRICS, 0.0)
+
+    def inc(self, name: str, amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[name] += amount
+
+    def set(self, name: str, value: float) -> None:
+        with self._lock:
+            self._values[name] = float(value)
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self._values[name]
+
+    def render(self) -> str:
+        with self._lock:
+            values = dict(self._values)
+        lines = []
+        for name, (kind, text) in METRICS.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {values[name]:.17g}"]
+        return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """Serves `metrics.render()` at http://host:port/metrics until close(); port 0 in the config means off,
+    so this class is only built for a real port."""
+
+    def __init__(self, metrics: Metrics, host: str, port: int):
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # the stdlib names it
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = metrics.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format, *args):  # scrapes every few seconds: not worth a log line
+                pass
+
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as error:
+            raise OSError(
+                f"metrics endpoint: cannot listen on {host}:{port} ({error}); choose another metrics_port, or 0 "
+                "to turn the endpoint off"
+            ) from None
+        self._thread = threading.Thread(target=self._server.serve_forever, name="txs-metrics", daemon=True)
+        self._thread.start()
+        log.info("metrics endpoint url=http://%s:%d/metrics", host, self.port)
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,434 @@
+"""The Kafka scoring service: one consumer-group member that scores `transactions` exactly once.
+
+Per poll (one micro-batch), inside ONE Kafka transaction of ONE transactional producer:
+decode (bad input -> dead-letter, with its reason) -> Scorer.score in partition order -> scores, alerts,
+the changed accounts' state records to the compacted changelog -> the consumed offsets -> commit.
+Consumers of the outputs read committed, so a crash anywhere before the commit leaves no trace and the batch
+is redelivered; the state records carry each account's last applied (partition, offset), so even a
+redelivery past a lost commit is never applied twice.
+
+The changelog has as many partitions as `transactions`, and each account's record goes to the partition
+number of the input event it came from: on assignment of input partition p, this instance reads changelog
+partition p from its beginning up to its end (read_committed) and holds every account of p. On revocation
+the accounts of those partitions are evicted.
+
+Not handled here yet: the `labels` topic and the global terminal-risk table (the scorer's terminal state
+starts empty in every instance and is not persisted; see consumers/scorer.py).
+"""
+
+import base64
+import json
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaError, ProducerFencedError, TopicAlreadyExistsError
+from kafka.serializer import DefaultSerializer
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from consumers.messages import MessageError, decode_transaction, format_ts
+from consumers.metrics import Metrics, MetricsServer
+from consumers.scorer import Scorer
+from consumers.service_config import ServeConfig
+from pipeline.artifact import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+KEYS = DefaultSerializer()  # account ids, str <-> UTF-8 (bytes pass through unchanged)
+MAX_FAILED_BATCHES = 3  # consecutive aborted batches before the service gives up (a bug, not a blip)
+# The changelog must keep every account's latest record forever: compaction only, no time retention.
+CHANGELOG_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1"}
+
+
+@dataclass
+class ServeStats:
+    batches: int = 0
+    events_scored: int = 0
+    dead_lettered: int = 0
+    alerts: int = 0
+    duplicates_dropped: int = 0
+    aborted_batches: int = 0
+    rebalances: int = 0
+    restored_states: int = 0
+    restore_s: float = 0.0
+
+
+def serve(
+    cfg: ServeConfig,
+    model: str | LoadedModel,
+    bootstrap: str,
+    stop_event: threading.Event | None = None,
+) -> ServeStats:
+    """Run one member of the scoring consumer group until `stop_event` is set or SIGTERM/SIGINT arrives.
+
+    The batch in flight is finished and committed before returning. `model`: a LoadedModel, or a URI for
+    pipeline.artifact.load_model. Signal handlers are only installed when called from the main thread.
+    """
+    loaded = load_model(model) if isinstance(model, str) else model
+    stop = stop_event or threading.Event()
+    service = _Service(cfg, loaded)
+    previous = _install_signal_handlers(stop)
+    try:
+        service.start(bootstrap)
+        service.run(stop)
+    finally:
+        service.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("serve stopped %s", " ".join(f"{k}={v}" for k, v in asdict(service.stats).items()))
+    return service.stats
+
+
+def _install_signal_handlers(stop: threading.Event) -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}  # Python allows handlers in the main thread only; the caller owns stop_event then
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+    return previous
+
+
+def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
+    """Create the service's missing topics; returns the partition count of `transactions`.
+
+    Refuses a changelog whose partition count differs from the transactions topic: restoring input
+    partition p reads changelog partition p, so the counts must match.
+    """
+    admin = KafkaAdminClient(
+        bootstrap_servers=bootstrap, client_id="txsentinel-serve-admin", **cfg.kafka_security
+    )
+    try:
+        existing = set(admin.list_topics())
+        transactions = cfg.topic("transactions")
+        if transactions not in existing:
+            _create(admin, transactions, cfg.transactions_partitions, cfg.replication_factor, {})
+        partitions = _partition_count(admin, transactions)
+        for name in ("scores", "alerts", "dead_letter"):
+            if cfg.topic(name) not in existing:
+                _create(admin, cfg.topic(name), partitions, cfg.replication_factor, {})
+        changelog = cfg.topic("changelog")
+        if changelog not in existing:
+            _create(admin, changelog, partitions, cfg.replication_factor, CHANGELOG_CONFIG)
+        found = _partition_count(admin, changelog)
+        if found != partitions:
+            raise ValueError(
+                f"changelog topic {changelog!r} has {found} partitions, {transactions!r} has {partitions}: they "
+                "must match (state of input partition p lives in changelog partition p). Add partitions to the "
+                "changelog with kafka-topics.sh --alter, or point changelog_topic at a new topic and replay"
+            )
+        return partitions
+    finally:
+        admin.close()
+
+
+def _create(admin: KafkaAdminClient, name: str, partitions: int, replication: int, config: dict) -> None:
+    spec = {"num_partitions": partitions, "replication_factor": replication, "configs": config}
+    try:
+        admin.create_topics({name: spec}, wait_for_metadata=True)
+        log.info("created topic=%s partitions=%d config=%s", name, partitions, config)
+    except TopicAlreadyExistsError:
+        pass  # another instance created it in between
+
+
+def _partition_count(admin: KafkaAdminClient, topic: str) -> int:
+    (described,) = admin.describe_topics([topic])
+    return len(described["partitions"])
+
+
+class _Listener(ConsumerRebalanceListener):
+    # kafka-python calls these from inside poll(), between batches: no transaction is open then, since
+    # every batch commits (or aborts) before the next poll.
+    def __init__(self, service: "_Service"):
+        self.service = service
+
+    def on_partitions_revoked(self, revoked):
+        self.service.on_revoked(revoked)
+
+    def on_partitions_assigned(self, assigned):
+        self.service.on_assigned(assigned)
+
+    def on_partitions_lost(self, lost):
+        self.service.on_revoked(lost)
+
+
+class _Service:
+    def __init__(self, cfg: ServeConfig, model: LoadedModel):
+        self.cfg = cfg
+        self.scorer = Scorer(model, cfg.threshold)
+        self.model_version = str(model.meta.get("model_version", model.source or model.name))
+        self.stats = ServeStats()
+        self.metrics = Metrics()
+        self.fatal: BaseException | None = None  # raised in a rebalance callback, re-raised by run()
+        self.assigned: set[int] = set()
+        self.topic = cfg.topic("transactions")
+        self.changelog = cfg.topic("changelog")
+        self.metrics_server = None
+        self.consumer = self.producer = self.restorer = None
+
+    def start(self, bootstrap: str) -> None:
+        cfg = self.cfg
+        self.partitions = ensure_topics(cfg, bootstrap)
+        security = cfg.kafka_security
+        if cfg.metrics_port:
+            self.metrics_server = MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port)
+        # Reads changelog partitions on assignment; no group, so it never joins or commits anything.
+        self.restorer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            client_id="txsentinel-serve-restore",
+            **security,
+        )
+        # A unique transactional id per instance: zombies of an older group generation are fenced by
+        # send_offsets_to_transaction (KIP-447), not by sharing an id.
+        self.producer = KafkaProducer(
+            bootstrap_servers=bootstrap,
+            transactional_id=f"{cfg.transactional_id_prefix}-{uuid.uuid4().hex[:12]}",
+            transaction_timeout_ms=cfg.transaction_timeout_ms,
+            key_serializer=KEYS,
+            **security,
+        )
+        self.producer.init_transactions()
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=cfg.group_id,
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=cfg.max_poll_records,
+            max_poll_interval_ms=cfg.max_poll_interval_ms,
+            session_timeout_ms=cfg.session_timeout_ms,
+            client_id="txsentinel-serve",
+            **security,
+        )
+        self.consumer.subscribe([self.topic], listener=_Listener(self))
+        # kafka-python 3.0.12: without the topic's metadata before the first poll, the member can end up
+        # in a stable group with no partitions (lost rejoin); see tests/integration/test_kafka_broker.py.
+        self.consumer.partitions_for_topic(self.topic)
+        log.info(
+            "serve started topic=%s partitions=%d group=%s model=%s threshold=%.4f",
+            self.topic, self.partitions, cfg.group_id, self.model_version, self.scorer.threshold,
+        )  # fmt: skip
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        failures = 0
+        while not stop.is_set():
+            batch = self.consumer.poll(
+                timeout_ms=self.cfg.poll_timeout_ms, max_records=self.cfg.max_poll_records
+            )
+            if self.fatal is not None:
+                raise self.fatal
+            if not batch:
+                continue
+            try:
+                self._process(batch)
+                failures = 0
+            except ProducerFencedError:
+                raise RuntimeError(
+                    "this instance's producer was fenced: a newer instance owns its partitions; stopping"
+                ) from None
+            except Exception as error:  # abort, rewind, restore: the batch is redelivered
+                failures += 1
+                self.stats.aborted_batches += 1
+                self.metrics.inc("txsentinel_aborted_transactions_total")
+                log.exception("batch aborted attempt=%d error=%r", failures, error)
+                self._abort_and_rewind(batch)
+                if failures >= MAX_FAILED_BATCHES:
+                    raise RuntimeError(
+                        f"{failures} batches in a row failed (last: {error!r}); stopping rather than loop"
+                    ) from error
+
+    def _process(self, batch: dict) -> None:
+        cfg, producer = self.cfg, self.producer
+        producer.begin_transaction()
+        transactions, positions, offsets = [], [], {}
+        for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
+            for record in batch[tp]:
+                offsets[tp] = OffsetAndMetadata(record.offset + 1, "", -1)
+                try:
+                    if record.value is None:
+                        raise MessageError("null value (a tombstone): expected a JSON transaction")
+                    transactions.append(decode_transaction(record.value))
+                    positions.append((record.partition, record.offset))
+                except MessageError as error:
+                    producer.send(cfg.topic("dead_letter"), key=record.key, value=_dead_letter(record, error))
+                    self.stats.dead_lettered += 1
+        dropped_before = self.scorer.stats.duplicates_dropped
+        scores = self.scorer.score(transactions, positions)
+        partition_of = {}
+        for s in scores:
+            value = json.dumps(
+                {
+                    "event_id": s.event_id,
+                    "account_id": s.account_id,
+                    "ts": format_ts(s.ts_us),
+                    "score": s.score,
+                    "alert": s.alert,
+                    "out_of_order": s.out_of_order,
+                    "model_version": self.model_version,
+                },
+                separators=(",", ":"),
+            ).encode()
+            producer.send(cfg.topic("scores"), key=s.account_id, value=value)
+            if s.alert:
+                producer.send(cfg.topic("alerts"), key=s.account_id, value=value)
+            partition_of[s.account_id] = s.position[0]
+        # Only now forget the changed set: should anything below fail, the abort path evicts and restores.
+        for account in self.scorer.take_changed():
+            state = self.scorer.account_state_bytes(account)
+            producer.send(self.changelog, key=account, value=state, partition=partition_of[account])
+        # Commit order (one transaction, all or nothing):
+        #   1. scores, alerts, dead letters and state records were sent above (buffered, maybe in flight);
+        #   2. the consumed offsets join the transaction with the group's metadata (generation, member id),
+        #      so a zombie from an older generation is fenced by the group coordinator (KIP-447);
+        #   3. commit_transaction() flushes every pending record, then writes the commit markers; read_committed
+        #      readers see all outputs and the new offsets at once, or (on abort or crash) none of them.
+        producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
+        producer.commit_transaction()
+        alerts = sum(s.alert for s in scores)
+        self.stats.batches += 1
+        self.stats.events_scored += len(scores)
+        self.stats.alerts += alerts
+        self.stats.duplicates_dropped += self.scorer.stats.duplicates_dropped - dropped_before
+        m = self.metrics
+        m.inc("txsentinel_batches_total")
+        m.inc("txsentinel_events_scored_total", len(scores))
+        m.inc("txsentinel_alerts_total", alerts)
+        m.inc(
+            "txsentinel_events_dead_lettered_total", sum(len(r) for r in batch.values()) - len(transactions)
+        )
+        m.inc("txsentinel_duplicates_dropped_total", self.scorer.stats.duplicates_dropped - dropped_before)
+        m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
+
+    def _abort_and_rewind(self, batch: dict) -> None:
+        # The batch's outputs vanish with the transaction; its accounts in memory may be half-applied, so
+        # they are reloaded from the changelog and the consumer goes back to the group's committed offsets.
+        try:
+            self.producer.abort_transaction()
+        except KafkaError as error:
+            log.warning("abort failed error=%r (the broker aborts it on timeout)", error)
+        partitions = sorted({tp.partition for tp in batch})
+        accounts = {a for p in partitions for a in self.scorer.accounts_in_partition(p)}
+        accounts |= {KEYS.deserialize(None, None, r.key) for rs in batch.values() for r in rs if r.key}
+        for account in accounts & set(self.scorer.accounts_in_memory):
+            self.scorer.evict(account, discard_changes=True)
+        self.scorer.take_changed()
+        self._restore(partitions)
+        for tp in batch:
+            committed = self.consumer.committed(tp)
+            if committed is None:
+                self.consumer.seek_to_beginning(tp)  # auto_offset_reset=earliest: nothing committed yet
+            else:
+                self.consumer.seek(tp, committed)
+
+    # -- rebalance ---------------------------------------------------------------------------------------
+    def on_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        partitions = sorted(tp.partition for tp in revoked if tp.topic == self.topic)
+        evicted = 0
+        for p in partitions:
+            for account in self.scorer.accounts_in_partition(p):
+                # No batch is open between polls, so nothing unsaved is lost; discard_changes only guards
+                # against an account whose events would be redelivered anyway (uncommitted offsets).
+                self.scorer.evict(account, discard_changes=True)
+                evicted += 1
+        self.assigned -= set(partitions)
+        self.stats.rebalances += 1
+        self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
+        self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
+        log.info("partitions revoked partitions=%s evicted_states=%d", partitions, evicted)
+
+    def on_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        partitions = sorted(tp.partition for tp in assigned if tp.topic == self.topic)
+        log.info("partitions assigned partitions=%s", partitions)
+        try:
+            self._restore(partitions)
+        except BaseException as error:  # kafka-python logs and swallows callback errors: hand it to run()
+            self.fatal = error
+            return
+        self.assigned |= set(partitions)
+        self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
+
+    def _restore(self, partitions: list[int]) -> None:
+        """Read changelog partitions from the beginning up to their end (read_committed) into the scorer."""
+        if not partitions:
+            return
+        started = time.monotonic()
+        tps = [TopicPartition(self.changelog, p) for p in partitions]
+        self.restorer.assign(tps)
+        self.restorer.seek_to_beginning(*tps)
+        # For read_committed the end offset is the last stable offset: an open transaction of a zombie delays
+        # the restore until the broker aborts it (transaction.timeout.ms), never lets its records in.
+        end = self.restorer.end_offsets(tps)
+        latest: dict[str, bytes | None] = {}
+        read, next_log = 0, started + 5.0
+        while any(self.restorer.position(tp) < end[tp] for tp in tps):
+            now = time.monotonic()
+            if now - started > self.cfg.restore_timeout_s:
+                left = {tp.partition: end[tp] - self.restorer.position(tp) for tp in tps}
+                raise TimeoutError(
+                    f"restoring {self.changelog!r} partitions {partitions} took over {self.cfg.restore_timeout_s}"
+                    f" s with {left} records left; raise restore_timeout_s or check the broker"
+                )
+            if now >= next_log:
+                log.info("restore progress partitions=%s records=%d end=%s", partitions, read, end)
+                next_log = now + 5.0
+            for records in self.restorer.poll(timeout_ms=200).values():
+                for record in records:
+                    latest[KEYS.deserialize(None, None, record.key)] = record.value  # last record wins
+                    read += 1
+        self.restorer.unsubscribe()
+        restored = 0
+        for account, value in latest.items():
+            if value is None:
+                continue  # a tombstone: the account was deleted
+            self.scorer.restore_account(account, value)  # refuses another model's state, saying what to do
+            restored += 1
+        seconds = time.monotonic() - started
+        self.stats.restored_states += restored
+        self.stats.restore_s += seconds
+        self.metrics.inc("txsentinel_restore_seconds_total", seconds)
+        self.metrics.inc("txsentinel_restored_states_total", restored)
+        self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
+        log.info(
+            "restore done partitions=%s records=%d states=%d seconds=%.3f",
+            partitions,
+            read,
+            restored,
+            seconds,
+        )
+
+    def close(self) -> None:
+        parts = (
+            ("consumer", self.consumer, lambda c: c.close(autocommit=False)),
+            ("producer", self.producer, lambda p: p.close(timeout=10)),
+            ("restore consumer", self.restorer, lambda c: c.close()),
+            ("metrics", self.metrics_server, lambda m: m.close()),
+        )
+        for name, part, close in parts:
+            if part is None:
+                continue  # never built: __init__ failed before it
+            try:
+                close(part)
+            except Exception as error:  # closing the rest matters more than this one
+                log.warning("close failed part=%s error=%r", name, error)
+
+
+def _dead_letter(record, error: MessageError) -> bytes:
+    # The original bytes travel base64-encoded: they may not be UTF-8, let alone JSON.
+    return json.dumps(
+        {
+            "reason": str(error),
+            "source_topic": record.topic,
+            "source_partition": record.partition,
+            "source_offset": record.offset,
+            "value_base64": None if record.value is None else base64.b64encode(record.value).decode(),
+        },
+        separators=(",", ":"),
+    ).encode()

@@ -1,0 +1,123 @@
+"""The scoring service's settings: a frozen dataclass, loaded from configs/serve.yaml plus overrides.
+
+Kafka security (TLS, SASL) comes from TXS_KAFKA_* environment variables only, never from a file in the
+repository, so no secret is ever committed next to the code.
+"""
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
+
+# environment variable -> kafka-python client setting
+SECURITY_ENV = {
+    "TXS_KAFKA_SECURITY_PROTOCOL": "security_protocol",
+    "TXS_KAFKA_SASL_MECHANISM": "sasl_mechanism",
+    "TXS_KAFKA_SASL_USERNAME": "sasl_plain_username",
+    "TXS_KAFKA_SASL_PASSWORD": "sasl_plain_password",
+    "TXS_KAFKA_SSL_CAFILE": "ssl_cafile",
+    "TXS_KAFKA_SSL_CERTFILE": "ssl_certfile",
+    "TXS_KAFKA_SSL_KEYFILE": "ssl_keyfile",
+}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    # Topics; every name gets `topic_prefix` in front (tests isolate themselves with a unique prefix).
+    topic_prefix: str = ""
+    transactions_topic: str = "transactions"
+    labels_topic: str = "labels"
+    scores_topic: str = "scores"
+    alerts_topic: str = "alerts"
+    dead_letter_topic: str = "dead-letter"
+    changelog_topic: str = "account-state-changelog"  # compacted; partition count = transactions'
+    # Used only when the service creates a missing transactions topic; an existing one keeps its own.
+    transactions_partitions: int = 3
+    replication_factor: int = 1
+    group_id: str = "txsentinel-scorer"
+    # A batch is one poll: its processing must stay well inside max_poll_interval_ms (see DESIGN.md).
+    max_poll_records: int = 500
+    poll_timeout_ms: int = 500
+    max_poll_interval_ms: int = 300_000
+    # How long the group waits for a silent (crashed) member before moving its partitions elsewhere.
+    session_timeout_ms: int = 45_000
+    transactional_id_prefix: str = "txsentinel-scorer"
+    # How long the broker keeps a crashed instance's open transaction before aborting it; until then
+    # read_committed readers of its output partitions (and the changelog restore) wait behind it.
+    transaction_timeout_ms: int = 60_000
+    restore_timeout_s: float = 300.0  # per assignment: reading the changelog partitions of new partitions
+    threshold: float | None = None  # alert threshold on the probability; None: the model's own
+    metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_host: str = "0.0.0.0"
+    # kafka-python settings from the environment (SECURITY_ENV); kept out of repr: it may hold a password.
+    security: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+    def __post_init__(self):
+        for name in (
+            "transactions_partitions",
+            "replication_factor",
+            "max_poll_records",
+            "poll_timeout_ms",
+            "transaction_timeout_ms",
+            "session_timeout_ms",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"serve config: {name} = {value!r}, expected an integer >= 1")
+        if not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port < 65536:
+            raise ValueError(
+                f"serve config: metrics_port = {self.metrics_port!r}, expected 0 (off) or a port"
+            )
+        if self.restore_timeout_s <= 0:
+            raise ValueError(f"serve config: restore_timeout_s = {self.restore_timeout_s!r}, expected > 0")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(
+                f"serve config: threshold = {self.threshold!r}, expected a probability in [0, 1]"
+            )
+        if not self.group_id:
+            raise ValueError("serve config: group_id is empty; every service instance needs its group")
+
+    def topic(self, name: str) -> str:
+        """The full name of topic `name` ("transactions", "scores", ...), prefix included."""
+        return self.topic_prefix + getattr(self, f"{name}_topic")
+
+    @property
+    def kafka_security(self) -> dict[str, str]:
+        return dict(self.security)
+
+
+def security_from_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple((setting, env[var]) for var, setting in SECURITY_ENV.items() if env.get(var))
+
+
+def load_serve_config(
+    config_file: Path | None = DEFAULT_CONFIG_FILE,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ServeConfig:
+    """Defaults < YAML file < `overrides` (CLI flags, tests); security settings from `env` (os.environ)."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(
+                f"{config_file}: expected a mapping of serve settings, got {type(loaded).__name__}"
+            )
+        values.update(loaded)
+    values.update(overrides or {})
+    known = {f.name for f in dataclasses.fields(ServeConfig)} - {"security"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        where = f" in {config_file}" if config_file else ""
+        raise ValueError(
+            f"unknown serve setting(s) {unknown}{where}; known: {sorted(known)}. Kafka security settings "
+            f"come from the environment only: {sorted(SECURITY_ENV)}"
+        )
+    values["security"] = security_from_env(os.environ if env is None else env)
+    return ServeConfig(**values)

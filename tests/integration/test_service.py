@@ -1,0 +1,346 @@
+"""The scoring service against the project's real Kafka broker: exactly one score per good event, with the
+values of the scorer itself, dead letters with reasons, and state restored from the changelog on restart.
+
+Parity and restart use ONE transactions partition: the terminal features read a table shared by all
+accounts, so their values depend on the global order of events. One partition makes that order the topic's
+order, which the reference reproduces; with several partitions the interleaving across partitions is the
+consumer's choice and only per-account order is defined.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from datetime import timedelta
+
+import polars as pl
+import pytest
+import torch
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.structs import TopicPartition
+
+from consumers.broker import REPO_ROOT
+from consumers.messages import Transaction, encode_transaction
+from consumers.scorer import Scorer
+from consumers.service import serve
+from consumers.service_config import load_serve_config
+from models.registry import build_detector
+from pipeline.artifact import load_model, save_model_dir
+from pipeline.features import compute_features, fit_feature_spec
+from pipeline.generate import GenerateConfig, generate
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(180)]
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def frame() -> pl.DataFrame:
+    return generate(GenerateConfig(accounts=20, days=12, seed=11)).sort("ts", "event_id")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, frame):
+    features = compute_features(frame)
+    start = frame["ts"].min()
+    spec = fit_feature_spec(features, start, start + timedelta(days=8))
+    torch.manual_seed(0)
+    tiny = {"num_features": spec.num_features, "d_model": 8, "num_layers": 1, "dropout": 0.0}
+    detector = build_detector("lstm", tiny)
+    return str(save_model_dir(tmp_path_factory.mktemp("model"), detector, spec, {"model_version": "test-1"}))
+
+
+@pytest.fixture
+def service_cfg(kafka_bootstrap):
+    """A config with a unique topic prefix and group; every topic with that prefix is deleted afterwards."""
+    prefix = f"svc-{uuid.uuid4().hex[:8]}-"
+    overrides = {"topic_prefix": prefix, "group_id": f"{prefix}group", "max_poll_records": 40}
+    overrides["poll_timeout_ms"] = 200
+    yield lambda **more: load_serve_config(overrides={**overrides, **more}, env={})
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
+    finally:
+        admin.close()
+
+
+def transactions(frame: pl.DataFrame) -> list[Transaction]:
+    columns = (
+        frame["event_id"].to_list(),
+        frame["account_id"].to_list(),
+        frame["ts"].dt.epoch("us").to_list(),
+        frame["amount"].to_list(),
+        frame["terminal_id"].to_list(),
+    )
+    return [Transaction(e, a, t, m, term) for e, a, t, m, term in zip(*columns, strict=True)]
+
+
+def create_topic(bootstrap: str, name: str, partitions: int) -> None:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics(
+            {name: {"num_partitions": partitions, "replication_factor": 1}}, wait_for_metadata=True
+        )
+    finally:
+        admin.close()
+
+
+def produce(bootstrap: str, topic: str, messages: list[tuple[str, bytes | None]]) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    for key, value in messages:
+        producer.send(topic, key=key.encode(), value=value)
+    producer.flush()
+    producer.close()
+
+
+class Running:
+    """serve() on a thread; stop() sets its stop_event, joins, and re-raises what serve raised."""
+
+    def __init__(self, cfg, model, bootstrap):
+        self.stop_event = threading.Event()
+        self.stats = self.error = None
+
+        def target():
+            try:
+                self.stats = serve(cfg, model, bootstrap, stop_event=self.stop_event)
+            except BaseException as error:
+                self.error = error
+
+        self.thread = threading.Thread(target=target, name="txs-serve-test", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout_s: float = 60):
+        self.stop_event.set()
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"serve() did not return within {timeout_s} s of stop_event"
+        if self.error is not None:
+            raise self.error
+        return self.stats
+
+
+def read_committed(bootstrap: str, topic: str) -> list:
+    """Every committed record of `topic`, from the beginning up to its current end."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed")
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        if not tps:
+            return []  # not created yet (the service creates its output topics)
+        consumer.assign(tps)
+        consumer.seek_to_beginning()
+        end = consumer.end_offsets(tps)
+        records, deadline = [], time.monotonic() + 30
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"could not read {topic} up to {end}"
+            for batch in consumer.poll(timeout_ms=200).values():
+                records.extend(batch)
+        return records
+    finally:
+        consumer.close()
+
+
+def wait_for_scores(bootstrap, topic, count, running: Running, timeout_s: float = 90) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if running.error is not None:
+            raise running.error
+        scores = [json.loads(r.value) for r in read_committed(bootstrap, topic)]
+        if len(scores) >= count:
+            return scores
+        assert time.monotonic() < deadline, f"{len(scores)} of {count} scores within {timeout_s} s"
+        time.sleep(0.5)
+
+
+def assert_exactly_once(scores: list[dict], events: list[Transaction]) -> dict[str, dict]:
+    by_event = {}
+    for s in scores:
+        assert s["event_id"] not in by_event, f"event {s['event_id']} scored twice"
+        by_event[s["event_id"]] = s
+    assert set(by_event) == {t.event_id for t in events}, "an event was never scored, or a stranger was"
+    return by_event
+
+
+def assert_same_scores(by_event: dict[str, dict], reference) -> None:
+    worst = max(abs(by_event[r.event_id]["score"] - r.score) for r in reference)
+    assert worst <= TOLERANCE, f"service scores differ from the scorer's by up to {worst:.3g}"
+    assert all(by_event[r.event_id]["alert"] == r.alert for r in reference)
+
+
+def test_every_event_gets_one_score_equal_to_the_scorers(kafka_bootstrap, service_cfg, frame, model_dir):
+    cfg = service_cfg()
+    events = transactions(frame)
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
+    produce(
+        kafka_bootstrap, cfg.topic("transactions"), [(t.account_id, encode_transaction(t)) for t in events]
+    )
+
+    running = Running(cfg, model_dir, kafka_bootstrap)
+    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running)
+    stats = running.stop()
+
+    by_event = assert_exactly_once(scores, events)
+    assert_same_scores(by_event, Scorer(load_model(model_dir)).score(events))
+    assert {s["model_version"] for s in scores} == {"test-1"}
+    assert stats.events_scored == len(events) and stats.dead_lettered == 0
+    alerts = [json.loads(r.value)["event_id"] for r in read_committed(kafka_bootstrap, cfg.topic("alerts"))]
+    assert sorted(alerts) == sorted(e for e, s in by_event.items() if s["alert"])
+    # One state record per account per batch it appeared in; the latest per account is what restores it.
+    changelog = read_committed(kafka_bootstrap, cfg.topic("changelog"))
+    assert {r.key.decode() for r in changelog} == {t.account_id for t in events}
+
+
+def test_bad_input_goes_to_dead_letter_with_its_reason_and_the_rest_is_scored(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    with socket.socket() as s:  # a free port for the metrics endpoint
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = service_cfg(metrics_port=port, metrics_host="127.0.0.1")
+    events = transactions(frame.head(150))
+    good = json.loads(encode_transaction(events[0]))
+    bad = {
+        b"{not json": "not valid UTF-8 JSON",
+        b"\xff\xfe": "not valid UTF-8 JSON",
+        b"[1, 2]": "expected a JSON object",
+        json.dumps(
+            {k: v for k, v in good.items() if k != "amount"}
+        ).encode(): "missing required field(s): amount",
+        json.dumps({**good, "amount": math.nan}).encode(): "not a finite amount",
+        json.dumps({**good, "amount": -3.0}).encode(): "not a finite amount",
+        json.dumps({**good, "colour": "red"}).encode(): "unknown field(s): colour",
+        json.dumps({**good, "ts": "yesterday"}).encode(): "is not an ISO-8601 timestamp",
+        json.dumps({**good, "ts": "2026-03-01T12:00:00"}).encode(): "has no UTC offset",
+        None: "null value",
+    }
+    messages = [(t.account_id, encode_transaction(t)) for t in events]
+    for i, value in enumerate(bad):  # spread through the stream, several batches apart
+        messages.insert(15 * i + 3, (f"bad-{i}", value))
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=3)
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages)
+
+    running = Running(cfg, model_dir, kafka_bootstrap)
+    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running)
+    dead = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("dead_letter"))]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    assert running.thread.is_alive() and running.error is None, "bad input stopped the service"
+    stats = running.stop()
+
+    assert_exactly_once(scores, events)
+    assert len(dead) == len(bad) and stats.dead_lettered == len(bad)
+    reasons = sorted(d["reason"] for d in dead)
+    for expected in bad.values():
+        assert any(expected in r for r in reasons), f"no dead letter says {expected!r}: {reasons}"
+    for d in dead:
+        assert d["source_topic"] == cfg.topic("transactions") and d["source_offset"] >= 0
+    originals = {base64.b64decode(d["value_base64"]) for d in dead if d["value_base64"] is not None}
+    assert originals == {v for v in bad if v is not None}, "a dead letter lost the original bytes"
+    assert f"txsentinel_events_dead_lettered_total {len(bad)}" in metrics
+    assert f"txsentinel_events_scored_total {len(events)}" in metrics
+
+
+def test_a_restarted_service_resumes_from_committed_offsets_and_changelog_state(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    cfg = service_cfg(max_poll_records=10)
+    events = transactions(frame)
+    messages = [(t.account_id, encode_transaction(t)) for t in events]
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
+    # The stream arrives in two parts, so the first instance surely stops before its end: it may finish
+    # the first part in the time the test takes to notice a third of the scores.
+    split = len(events) * 2 // 3
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[:split])
+
+    first = Running(cfg, model_dir, kafka_bootstrap)
+    wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events) // 3, first)
+    first.stop()  # the batch in flight commits; the rest waits for the next instance
+    done = len(read_committed(kafka_bootstrap, cfg.topic("scores")))
+    assert len(events) // 3 <= done <= split, f"the first instance scored {done} of {split} events"
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[split:])
+
+    second = Running(cfg, model_dir, kafka_bootstrap)
+    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), second)
+    stats = second.stop()
+    by_event = assert_exactly_once(scores, events)
+    assert stats.restored_states > 0 and stats.events_scored == len(events) - done
+
+    # Reference: the same split by hand. One partition, so the first instance scored a prefix; the second
+    # starts from the account records only (the terminal table is not persisted yet: it starts empty).
+    model = load_model(model_dir)
+    before = Scorer(model)
+    reference = before.score(events[:done])
+    after = Scorer(model)
+    for account in before.accounts_in_memory:
+        after.restore_account(account, before.account_state_bytes(account))
+    reference += after.score(events[done:])
+    assert_same_scores(by_event, reference)
+
+
+# serve() in a child process that the test kills with SIGKILL: no stop, no close, a transaction maybe open.
+CHILD = """
+import json, logging, sys
+from consumers.service import serve
+from consumers.service_config import load_serve_config
+logging.basicConfig(level=logging.INFO)
+serve(load_serve_config(overrides=json.loads(sys.argv[1]), env={}), sys.argv[2], sys.argv[3])
+"""
+
+
+def test_a_killed_service_loses_nothing_and_scores_nothing_twice(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    # Short timeouts, or the test waits minutes: the group waits session_timeout_ms (45 s by default) for the
+    # dead member before handing its partition on, and its open transaction holds back read_committed
+    # readers (and the next instance's restore) until transaction_timeout_ms (60 s) aborts it.
+    cfg = service_cfg(max_poll_records=5, transaction_timeout_ms=5000, session_timeout_ms=6000)
+    events = transactions(frame)
+    messages = [(t.account_id, encode_transaction(t)) for t in events]
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
+    split = len(events) * 2 // 3
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[:split])
+
+    overrides = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "security"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(overrides), model_dir, kafka_bootstrap],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(read_committed(kafka_bootstrap, cfg.topic("scores"))) < len(events) // 3:
+            assert child.poll() is None, f"the child service died: {child.stderr.read().decode()[-3000:]}"
+            assert time.monotonic() < deadline, "the child service scored too little within 90 s"
+            time.sleep(0.2)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        child.stderr.close()
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[split:])
+
+    second = Running(cfg, model_dir, kafka_bootstrap)
+    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), second)
+    stats = second.stop()
+    by_event = assert_exactly_once(scores, events)
+    done = len(events) - stats.events_scored  # what the killed instance committed; it scored a prefix
+    assert stats.restored_states > 0 and done >= len(events) // 3
+
+    model = load_model(model_dir)
+    before = Scorer(model)
+    reference = before.score(events[:done])
+    after = Scorer(model)
+    for account in before.accounts_in_memory:
+        after.restore_account(account, before.account_state_bytes(account))
+    reference += after.score(events[done:])
+    assert_same_scores(by_event, reference)
