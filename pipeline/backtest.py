@@ -29,14 +29,19 @@ import polars as pl
 from consumers.scorer import Scorer
 from pipeline.artifact import load_model
 from pipeline.dataset import read_dataset
-from pipeline.evaluation import DetectionMetrics, card_precision_at_k, detection_metrics, scenario_metrics
+from pipeline.evaluation import (
+    BUDGETS,
+    DetectionMetrics,
+    budget_curve,
+    detection_metrics,
+    scenario_metrics,
+)
 from pipeline.report_plots import bar_plot, line_plot
 from pipeline.splits import DAY, Period, dataset_days
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TEST_DAYS = 14
-BUDGETS = (10, 25, 50, 100, 200, 500)  # alerts (accounts) per day an investigation team can review
 METRIC_PREFIX = "backtest/"  # never test/: the training run's own test metrics stay as training logged them
 
 
@@ -166,12 +171,6 @@ def alerts_per_day(scored: pl.DataFrame, test: Period) -> pl.DataFrame:
         .drop("_hits")
         .sort("day")
     )
-
-
-def budget_curve(scored: pl.DataFrame, labels: pl.DataFrame, test: Period, budgets=BUDGETS) -> pl.DataFrame:
-    """Precision of the top-N accounts per day (CP@N, same exclusions as CP@k), mean over the days."""
-    rows = [(n, float(np.mean(card_precision_at_k(scored, labels, test, n)))) for n in budgets]
-    return pl.DataFrame(rows, schema=["budget_accounts_per_day", "precision"], orient="row")
 
 
 def _replay(scorer: Scorer, frame: pl.DataFrame, batch_events: int, progress_bar: bool) -> pl.DataFrame:

@@ -21,7 +21,7 @@ import polars as pl
 from mlflow.tracking import MlflowClient
 from sklearn.metrics import precision_recall_curve
 
-from pipeline.evaluation import card_precision_at_k
+from pipeline.evaluation import budget_curve, card_precision_at_k
 from pipeline.plots import SCORES_ARTIFACT
 from pipeline.report_plots import line_plot, scatter_plot
 from pipeline.splits import Period
@@ -166,14 +166,14 @@ def _test_scores(client: MlflowClient, run_id: str, tmp: Path) -> pl.DataFrame |
 
 
 def write_plots(table: pl.DataFrame, client: MlflowClient, out: Path, data: Path | None = None) -> list[Path]:
-    """pr_curves.png, cp_at_100_per_day.png, ap_vs_state_bytes.png under `out`."""
+    """pr_curves.png, cp_at_100_per_day.png, alert_budget.png, ap_vs_state_bytes.png under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     labels = None
     if data is not None:
         from pipeline.dataset import read_dataset
 
         labels = read_dataset(data).select("account_id", "is_fraud", "label_ts")
-    pr, cp = {}, {}
+    pr, cp, budget = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for row in table.iter_rows(named=True):
             scores = _test_scores(client, row["run_id"], Path(tmp) / row["run_id"])
@@ -192,6 +192,8 @@ def write_plots(table: pl.DataFrame, client: MlflowClient, out: Path, data: Path
                 )
             per_day = card_precision_at_k(scores, known, test, CP_K)
             cp[name] = (list(range(1, len(per_day) + 1)), per_day)
+            curve = budget_curve(scores, known, test)
+            budget[name] = (curve["budget_accounts_per_day"].to_list(), curve["precision"].to_list())
     files = [
         line_plot(
             pr,
@@ -207,6 +209,14 @@ def write_plots(table: pl.DataFrame, client: MlflowClient, out: Path, data: Path
             title=f"CP@{CP_K} per test day"
             + ("" if labels is not None else " (known-fraud exclusion off: pass the dataset)"),
             path=out / f"cp_at_{CP_K}_per_day.png",
+            marker="o",
+        ),
+        line_plot(
+            budget,
+            xlabel="alert budget: accounts reviewed per day",
+            ylabel="precision (CP@budget)",
+            title="alert budget curves (test period)",
+            path=out / "alert_budget.png",
             marker="o",
         ),
     ]

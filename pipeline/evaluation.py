@@ -85,6 +85,15 @@ def detection_metrics(
     )
 
 
+BUDGETS = (10, 25, 50, 100, 200, 500)  # accounts a fraud team reviews per day
+
+
+def budget_curve(scored: pl.DataFrame, labels: pl.DataFrame, test: Period, budgets=BUDGETS) -> pl.DataFrame:
+    """Precision of the top-N accounts per day (CP@N, same exclusions as CP@k), mean over the days."""
+    rows = [(n, float(np.mean(card_precision_at_k(scored, labels, test, n)))) for n in budgets]
+    return pl.DataFrame(rows, schema=["budget_accounts_per_day", "precision"], orient="row")
+
+
 def scenario_metrics(scored: pl.DataFrame, frame: pl.DataFrame) -> dict[str, float]:
     """Per fraud scenario (generated data knows them; ingested data usually does not, and gets nothing):
     AP of that scenario's frauds against all legit events (other scenarios' frauds left out), and the

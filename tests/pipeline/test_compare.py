@@ -12,7 +12,13 @@ from pipeline.tracking import configure_tracking
 from pipeline.train import train
 from pipeline.train_config import load_train_config
 
-PLOTS = ("pr_curves.png", "cp_at_100_per_day.png", "ap_vs_state_bytes.png", "comparison.csv")
+PLOTS = (
+    "pr_curves.png",
+    "cp_at_100_per_day.png",
+    "alert_budget.png",
+    "ap_vs_state_bytes.png",
+    "comparison.csv",
+)
 
 
 @pytest.fixture(scope="module")
