@@ -82,3 +82,32 @@ def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, fl
     with pl.Config(tbl_hide_dataframe_shape=True, tbl_width_chars=120, fmt_str_lengths=80):
         print(table)
     return results
+
+
+def run_replay_bench(events: int, models: list[str], batch_events: int, seed: int) -> dict[str, float]:
+    """Events/s of a history replayed through the live scorer (what `txsentinel backtest` runs), per
+    detector at its default size. The detectors are untrained: the cost does not depend on the weights."""
+    import torch
+
+    from consumers.scorer import Scorer
+    from models.registry import build_detector
+    from pipeline.artifact import LoadedModel
+    from pipeline.features import compute_features, fit_feature_spec
+    from pipeline.generate import GenerateConfig, generate
+
+    torch.set_num_threads(1)
+    accounts = 5000
+    days = max(30, int(events / (accounts * 1.8)) + 2)
+    frame = generate(GenerateConfig(accounts=accounts, days=days, seed=seed)).head(events)
+    sample = compute_features(frame.head(200_000))
+    spec = fit_feature_spec(sample, sample["ts"].min(), sample["ts"].max())
+    print(f"replaying {frame.height:,} generated events in micro-batches of {batch_events} on {_machine()}")
+    results = {}
+    for name in models:
+        scorer = Scorer(LoadedModel(build_detector(name, {"num_features": spec.num_features}), spec, {}))
+        started = time.perf_counter()
+        scored = scorer.replay(frame, batch_events=batch_events)
+        seconds = time.perf_counter() - started
+        results[name] = scored.height / seconds
+        print(f"{name:20s} {seconds:7.1f} s  {results[name]:10,.0f} events/s", flush=True)
+    return results

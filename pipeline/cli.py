@@ -130,6 +130,12 @@ def _bench(args: argparse.Namespace) -> int:
         from pipeline.bench import run_feature_bench
 
         run_feature_bench(events=args.events, batch_events=args.batch_events, seed=args.seed)
+    elif args.bench == "replay":
+        from pipeline.bench import run_replay_bench
+
+        run_replay_bench(
+            args.events, args.models or ["lstm", "linear_transformer"], args.batch_events, args.seed
+        )
     else:
         from pipeline.bench_models import run_model_bench
 
@@ -255,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--events", type=int, default=1_000_000, help="events to featurize (default 1M)")
     b.add_argument("--batch-events", type=int, default=500, help="stream micro-batch size (default 500)")
     b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(run=_bench)
+    b = bench.add_parser("replay", help="history replayed through the live scorer (the backtest path)")
+    b.add_argument("models", nargs="*", help="detectors (default: lstm linear_transformer)")
+    b.add_argument("--events", type=int, default=1_000_000)
+    b.add_argument("--batch-events", type=int, default=500)
+    b.add_argument("--seed", type=int, default=3)
     b.set_defaults(run=_bench)
     b = bench.add_parser("models", help="detector training/serving cost, state size, step time vs history")
     b.add_argument("models", nargs="*", help="detectors to bench (default: all)")
