@@ -81,7 +81,10 @@ def train_baseline(cfg: TrainConfig):
             name="model",
             pip_requirements=pinned_requirements("scikit-learn", "numpy"),
             # We built the trees ourselves in this run; skops refuses their node storage unless told so.
-            skops_trusted_types=["sklearn.tree._tree.Tree"],
+            skops_trusted_types=[
+                "sklearn.tree._tree.Tree",
+                "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
+            ],
         )
     print(
         f"trained {cfg.model}: run {run.info.run_id}, test AUC {metrics.auc:.3f} AP {metrics.ap:.3f} "

@@ -1,11 +1,21 @@
-"""`txsentinel demo` (what `make demo` runs): the main job end to end on embedded defaults.
+"""`txsentinel demo` (what `make demo` runs): the whole story on embedded defaults.
 
-Today it runs the data foundation for real: start the project's Kafka broker, generate a dataset with
-known fraud, compute the batch features, then stream the last days of transactions through Kafka as JSON
-and featurize them one micro-batch at a time with the bounded streaming state — and check that the stream
-computed exactly what the batch did. Later stages (train, register, serve) plug in after the data.
+1. start the project's Kafka broker (or use the one already running);
+2. generate a dataset with known fraud;
+3. train the three sequence detectors and the four per-event baselines (tiny CPU profile), tracked and
+   registered in a local MLflow store;
+4. promote the sequence detector with the best validation AP to `champion`, print the comparison table;
+5. start `txsentinel serve` with the champion, stream the test period's transactions (and their labels, on
+   their own topic) through Kafka at a steady rate, and show live progress;
+6. summarise: events scored, alerts, precision of the alerts against the known labels, latency, and where
+   to look next. Everything started is stopped at the end, also on Ctrl-C.
 """
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from contextlib import nullcontext
@@ -17,193 +27,317 @@ import numpy as np
 import polars as pl
 
 from consumers.broker import project_broker
-from consumers.messages import Transaction, decode_transaction, encode_transaction
-from pipeline.commands import run_features, run_generate
-from pipeline.dataset import read_dataset
-from pipeline.features import FEATURE_NAMES, EventBatch, LabelBatch, StreamingFeaturizer, replay_batches
+from consumers.messages import Label, Transaction, encode_label, encode_transaction
+from pipeline.commands import run_generate
+from pipeline.dataset import TRANSACTIONS_FILE, read_dataset
 from pipeline.generate import GenerateConfig
+
+SEQUENCE_MODELS = ("lstm", "linear_transformer", "transformer")
+BASELINE_MODELS = ("logreg", "random_forest", "hist_gbdt", "isolation_forest")
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    accounts: int = 2000
-    days: int = 90
+    accounts: int = 800
+    days: int = 60
     seed: int = 7
-    stream_days: int = 7  # the last days of the dataset go through Kafka; the rest warms the state
-    batch_events: int = 500  # max.poll.records: one micro-batch per poll
+    test_days: int = 7
+    max_epochs: int = 3
+    models: tuple[str, ...] = SEQUENCE_MODELS + BASELINE_MODELS
+    stream_events_per_s: float = 1000.0  # the steady rate the stream is replayed at
+    stream_days: int = 7  # the last days of the data (the test period) go through Kafka
+    alert_share: float = 0.005  # the alert budget: this share of a day's events
     workdir: Path = Path("runs/demo")
     bootstrap_servers: str | None = None  # None: the project's broker, started and stopped by the demo
     stream_timeout_s: float = 300.0
-    topic: str = field(default_factory=lambda: f"txsentinel-demo-transactions-{uuid.uuid4().hex[:8]}")
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
 
-def _stage(title: str) -> float:
-    print(f"\n== {title}")
-    return time.perf_counter()
+def _stage(title: str) -> None:
+    print(f"\n== {title}", flush=True)
 
 
-def _labels_for(frame: pl.DataFrame) -> tuple[list[str], np.ndarray]:
-    fraud = frame.filter(pl.col("is_fraud")).sort("label_ts")
-    return fraud["terminal_id"].to_list(), fraud["label_ts"].dt.epoch("us").to_numpy()
+def _train_all(cfg: DemoConfig, data_dir: Path, events_per_day: float) -> list:
+    from pipeline.train import train
+    from pipeline.train_config import load_train_config
+
+    results = []
+    settings = [
+        f"test_days={cfg.test_days}",
+        f"alert_budget_per_day={max(5, round(events_per_day * cfg.alert_share))}",
+        f"max_epochs={cfg.max_epochs}",
+        "chunk_events=32",
+        "model_config.d_model=16",
+        "model_config.num_layers=1",
+        "model_config.dropout=0.0",
+    ]
+    for model in cfg.models:
+        overrides = settings if model in SEQUENCE_MODELS else settings[:1]
+        results.append(
+            train(load_train_config(data_dir, None, overrides, model=model, out_dir=cfg.workdir / "train"))
+        )
+    return results
 
 
-def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
-    """One partition keeps the global event order, so terminal features match the batch form exactly."""
+def _promote_best(results: list) -> str:
+    from pipeline.tracking import promote
+
+    sequence = [r for r in results if r.model in SEQUENCE_MODELS]
+    best = max(sequence, key=lambda r: r.metrics.get("val/ap", 0.0))
+    promote("champion", "txsentinel", run_id=best.run_id)
+    return best.model
+
+
+def _serve_config(prefix: str):
+    from consumers.service_config import DEFAULT_CONFIG_FILE, load_serve_config
+
+    return load_serve_config(DEFAULT_CONFIG_FILE, {"topic_prefix": prefix, "transactions_partitions": 3})
+
+
+def _prepare_topics(bootstrap: str, prefix: str) -> None:
+    """The service's topics, and `labels` (the broker does not create topics on first use)."""
     from kafka import KafkaAdminClient
 
+    from consumers.service import ensure_topics
+
+    serve_cfg = _serve_config(prefix)
+    ensure_topics(serve_cfg, bootstrap)
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="txsentinel-demo")
     try:
-        # wait_for_metadata: producing before every partition has a leader fails.
-        admin.create_topics(
-            {topic: {"num_partitions": partitions, "replication_factor": 1}}, wait_for_metadata=True
-        )
+        if serve_cfg.topic("labels") not in set(admin.list_topics()):
+            admin.create_topics({serve_cfg.topic("labels"): {"num_partitions": 3, "replication_factor": 1}})
     finally:
         admin.close()
 
 
-def produce_transactions(bootstrap: str, topic: str, frame: pl.DataFrame) -> int:
+def _seed_states(bootstrap: str, prefix: str, history: pl.DataFrame) -> int:
+    """Warm start: the champion replays the history before the stream (the same Scorer the service runs)
+    and each account's state goes to the changelog partition its transactions will use, so the service
+    restores it on assignment, as if it had scored that history itself. Terminal state is not seeded."""
     from kafka import KafkaProducer
+    from kafka.partitioner.default import murmur2
 
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5, batch_size=256 * 1024)
-    ts_us = frame["ts"].dt.epoch("us").to_numpy()
-    for i, row in enumerate(frame.select("event_id", "account_id", "amount", "terminal_id").iter_rows()):
-        tx = Transaction(
-            event_id=row[0], account_id=row[1], ts_us=int(ts_us[i]), amount=row[2], terminal_id=row[3]
+    from consumers.scorer import Scorer
+    from pipeline.artifact import load_model
+
+    scorer = Scorer(load_model("models:/txsentinel@champion"))
+    scorer.replay(history)
+    changelog = _serve_config(prefix).topic("changelog")
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
+    partitions = sorted(producer.partitions_for(changelog))
+    accounts = history["account_id"].unique().to_list()
+    for account in accounts:
+        key = account.encode()
+        producer.send(
+            changelog,
+            key=key,
+            value=scorer.account_state_bytes(account),
+            # Kafka's default partitioner, as the producer of `transactions` applies it to the same key.
+            partition=partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)],
         )
-        producer.send(topic, key=tx.account_id.encode(), value=encode_transaction(tx))
     producer.flush()
     producer.close()
-    return frame.height
+    return len(accounts)
 
 
-def stream_features(
-    bootstrap: str,
-    topic: str,
-    expected: int,
-    featurizer: StreamingFeaturizer,
-    labels: tuple[list[str], np.ndarray],
-    cfg: DemoConfig,
-) -> tuple[list[str], np.ndarray]:
-    """Consume `expected` transactions, featurizing each poll as one micro-batch; labels are applied at
-    their label_ts. Returns event ids and features [N, F] in consumption order."""
-    from kafka import KafkaConsumer
+def _serve_process(bootstrap: str, prefix: str, env: dict, log) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "serve",
+        "--model",
+        "models:/txsentinel@champion",
+        "--bootstrap-servers",
+        bootstrap,
+        "--group-id",
+        f"{prefix}scorer",
+        "--set",
+        f"topic_prefix={prefix}",
+        "--set",
+        "transactions_partitions=3",
+    ]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
+
+def _wait_until_serving(service: subprocess.Popen, log_path: Path, deadline_s: float) -> None:
+    """Until the service has its partitions and their restored states (it logs `restore done`)."""
+    deadline = time.monotonic() + deadline_s
+    while "restore done" not in log_path.read_text():
+        if service.poll() is not None:
+            raise RuntimeError(f"txsentinel serve exited with {service.returncode}; see {log_path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"txsentinel serve was not ready within {deadline_s:.0f} s; see {log_path}")
+        time.sleep(0.5)
+
+
+def _stream(cfg: DemoConfig, bootstrap: str, prefix: str, live: pl.DataFrame, labels: pl.DataFrame) -> dict:
+    """Produce `live` at a steady rate (labels as they become known), read the scores as they come back."""
+    from kafka import KafkaConsumer, KafkaProducer
+    from kafka.structs import TopicPartition
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     consumer = KafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap,
-        group_id=f"{topic}-featurizer",
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        max_poll_records=cfg.batch_events,
+        bootstrap_servers=bootstrap, isolation_level="read_committed", auto_offset_reset="earliest"
     )
-    label_terminals, label_us = labels
-    cursor = 0
-    event_ids: list[str] = []
-    chunks: list[np.ndarray] = []
-    deadline = time.monotonic() + cfg.stream_timeout_s
-    try:
-        while len(event_ids) < expected:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"consumed {len(event_ids)} of {expected} transactions in {cfg.stream_timeout_s} s"
+    partitions = [
+        TopicPartition(f"{prefix}scores", p) for p in consumer.partitions_for_topic(f"{prefix}scores")
+    ]
+    consumer.assign(partitions)
+    consumer.seek_to_beginning()
+
+    ts_us = live["ts"].dt.epoch("us").to_numpy()
+    label_us = labels["label_ts"].dt.epoch("us").to_numpy()
+    sent_at: dict[str, float] = {}
+    scores: dict[str, dict] = {}
+    latencies: list[float] = []
+    next_label, started, last_report = 0, time.monotonic(), 0.0
+    rows = live.select("event_id", "account_id", "amount", "terminal_id").rows()
+    deadline = started + cfg.stream_timeout_s
+    i = 0
+    while len(scores) < len(rows):
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(
+                f"{len(scores):,} of {len(rows):,} events scored within {cfg.stream_timeout_s:.0f} s"
+            )
+        due = min(len(rows), int((now - started) * cfg.stream_events_per_s) + 1)
+        while i < due:
+            # Labels known by this event's time go out first, on their own topic.
+            while next_label < len(label_us) and label_us[next_label] <= ts_us[i]:
+                row = labels.row(next_label, named=True)
+                label = Label(
+                    row["event_id"],
+                    row["account_id"],
+                    row["terminal_id"],
+                    bool(row["is_fraud"]),
+                    int(label_us[next_label]),
                 )
-            polled = consumer.poll(timeout_ms=1000)
-            records = [r for part in polled.values() for r in part]
-            if not records:
-                continue
-            txs = [decode_transaction(r.value) for r in records]
-            ts_us = np.array([t.ts_us for t in txs], dtype=np.int64)
-            # Labels known before this batch go into the state; those that become known during it travel with it.
-            before = int(np.searchsorted(label_us, ts_us[0], side="left"))
-            if before > cursor:
-                featurizer.observe_labels(
-                    LabelBatch(
-                        label_terminals[cursor:before],
-                        label_us[cursor:before],
-                        np.ones(before - cursor, bool),
+                producer.send(f"{prefix}labels", key=label.account_id.encode(), value=encode_label(label))
+                next_label += 1
+            event_id, account, amount, terminal = rows[i]
+            tx = Transaction(event_id, account, int(ts_us[i]), float(amount), terminal)
+            producer.send(f"{prefix}transactions", key=account.encode(), value=encode_transaction(tx))
+            sent_at[event_id] = time.time()
+            i += 1
+        producer.flush()
+        for records in consumer.poll(timeout_ms=100).values():
+            for record in records:
+                score = json.loads(record.value)
+                if score["event_id"] not in scores:
+                    scores[score["event_id"]] = score
+                    latencies.append(
+                        record.timestamp / 1000.0 - sent_at.get(score["event_id"], record.timestamp / 1000.0)
                     )
-                )
-                cursor = before
-            during = int(np.searchsorted(label_us, ts_us[-1], side="right"))
-            batch_labels = LabelBatch(
-                label_terminals[cursor:during], label_us[cursor:during], np.ones(during - cursor, bool)
+        if now - last_report >= 2.0 or len(scores) == len(rows):
+            last_report = now
+            elapsed = max(now - started, 1e-9)
+            alerts = sum(s["alert"] for s in scores.values())
+            print(
+                f"  sent {i:6,}  scored {len(scores):6,}  {len(scores) / elapsed:7,.0f} events/s  "
+                f"alerts {alerts:5,}  lag {i - len(scores):5,}",
+                flush=True,
             )
-            cursor = during
-            events = EventBatch(
-                [t.account_id for t in txs],
-                [t.terminal_id for t in txs],
-                ts_us,
-                np.array([t.amount for t in txs]),
-            )
-            chunks.append(featurizer.transform(events, batch_labels)[0])
-            event_ids.extend(t.event_id for t in txs)
-            consumer.commit()
-    finally:
-        consumer.close()
-    return event_ids, np.concatenate(chunks)
+    producer.close()
+    consumer.close()
+    return {"scores": scores, "latencies_s": latencies, "seconds": time.monotonic() - started}
+
+
+def _summary(live: pl.DataFrame, streamed: dict) -> dict:
+    scores = streamed["scores"]
+    truth = dict(zip(live["event_id"].to_list(), live["is_fraud"].to_list(), strict=True))
+    alerted = [e for e, s in scores.items() if s["alert"]]
+    true_alerts = sum(truth[e] for e in alerted)
+    latencies = np.array(streamed["latencies_s"]) * 1000.0
+    return {
+        "events_scored": len(scores),
+        "frauds": int(live["is_fraud"].sum()),
+        "alerts": len(alerted),
+        "alert_precision": true_alerts / len(alerted) if alerted else float("nan"),
+        "frauds_alerted": true_alerts,
+        "p50_ms": float(np.percentile(latencies, 50)) if len(latencies) else float("nan"),
+        "p99_ms": float(np.percentile(latencies, 99)) if len(latencies) else float("nan"),
+        "events_per_s": len(scores) / max(streamed["seconds"], 1e-9),
+    }
 
 
 def run_demo(cfg: DemoConfig) -> int:
     started = time.perf_counter()
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    # The demo's MLflow store lives in its workdir unless the user points MLflow elsewhere.
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{(cfg.workdir / 'mlflow.db').resolve()}")
     data_dir = cfg.workdir / "data"
     broker = project_broker() if cfg.bootstrap_servers is None else nullcontext(cfg.bootstrap_servers)
+    service = None
     with broker as bootstrap:
-        print(f"Kafka broker: {bootstrap}")
+        try:
+            print(f"Kafka broker: {bootstrap}; MLflow: {os.environ['MLFLOW_TRACKING_URI']}")
+            _stage(f"generate {cfg.accounts:,} accounts x {cfg.days} days -> {data_dir}")
+            if (data_dir / TRANSACTIONS_FILE).exists():
+                print("reusing the dataset generated by an earlier run")
+            else:
+                run_generate(GenerateConfig(accounts=cfg.accounts, days=cfg.days, seed=cfg.seed), data_dir)
 
-        t = _stage(f"generate {cfg.accounts:,} accounts x {cfg.days} days -> {data_dir}")
-        run_generate(GenerateConfig(accounts=cfg.accounts, days=cfg.days, seed=cfg.seed), data_dir)
+            _stage(f"train {', '.join(cfg.models)} (tiny CPU profile)")
+            frame = read_dataset(data_dir)
+            results = _train_all(cfg, data_dir, frame.height / cfg.days)
 
-        t = _stage("batch features (polars)")
-        features = run_features(data_dir, None)
+            _stage("promote the best sequence detector by validation AP")
+            champion = _promote_best(results)
+            print(f"champion: {champion}")
 
-        frame = read_dataset(data_dir)
-        stream_start = frame["ts"].max().replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(
-            days=cfg.stream_days - 1
-        )
-        history = frame.filter(pl.col("ts") < stream_start)
-        live = frame.filter(pl.col("ts") >= stream_start)
+            _stage("compare")
+            from pipeline.compare import compare
 
-        t = _stage(f"warm the streaming state with {history.height:,} past events")
-        featurizer = StreamingFeaturizer()
-        for events, labels in replay_batches(history, cfg.batch_events):
-            featurizer.transform(events, labels)
-        print(
-            f"{len(featurizer.accounts):,} account states, {len(featurizer.terminals):,} terminal states, "
-            f"{len(featurizer.to_bytes()) / 1e6:.1f} MB in all, in {time.perf_counter() - t:.1f} s"
-        )
+            compare(out=cfg.workdir / "comparison", data=data_dir)
 
-        t = _stage(f"stream {live.height:,} transactions of the last {cfg.stream_days} days through Kafka")
-        create_topic(bootstrap, cfg.topic)
-        produced = produce_transactions(bootstrap, cfg.topic, live)
-        produce_s = time.perf_counter() - t
-        print(f"produced {produced:,} JSON messages to '{cfg.topic}' in {produce_s:.1f} s")
-        t = time.perf_counter()
-        # The replay applied every label known by the last past event; the rest arrive during the stream.
-        labels = _labels_for(frame.filter(pl.col("label_ts") > history["ts"].max()))
-        event_ids, streamed = stream_features(bootstrap, cfg.topic, produced, featurizer, labels, cfg)
-        consume_s = time.perf_counter() - t
-        print(
-            f"consumed and featurized {len(event_ids):,} events in {consume_s:.1f} s ({len(event_ids) / consume_s:,.0f}/s)"
-        )
+            last_day = frame["ts"].max().replace(hour=0, minute=0, second=0, microsecond=0)
+            stream_start = last_day - timedelta(days=cfg.stream_days - 1)
+            history = frame.filter(pl.col("ts") < stream_start)
+            live = frame.filter(pl.col("ts") >= stream_start)
+            labels = frame.filter(pl.col("is_fraud") & (pl.col("label_ts") >= stream_start)).sort("label_ts")
 
-        batch = features.filter(pl.col("ts") >= stream_start)
-        order = pl.DataFrame({"event_id": event_ids}).join(
-            batch, on="event_id", how="left", maintain_order="left"
-        )
-        expected = order.select(FEATURE_NAMES).to_numpy()
-        diff = float(np.abs(streamed - expected).max())
-        ok = order.height == batch.height and diff <= 1e-6
+            prefix = f"demo-{cfg.run_id}-"
+            _stage(
+                f"warm start: the champion replays {history.height:,} past events into the state changelog"
+            )
+            _prepare_topics(bootstrap, prefix)
+            print(f"{_seed_states(bootstrap, prefix, history):,} account states seeded")
 
-        _stage("summary")
-        fraud = live["is_fraud"].sum()
-        print(f"dataset: {frame.height:,} transactions, {frame['is_fraud'].sum():,} fraudulent")
-        print(f"stream: {len(event_ids):,} events through Kafka, {fraud:,} of them fraudulent")
-        print(
-            f"streaming features vs batch features: max |difference| = {diff:.2e} ({'OK' if ok else 'MISMATCH'})"
-        )
-        print(f"total {time.perf_counter() - started:.1f} s")
-        print("\nnext: `txsentinel features --data runs/demo/data`, `txsentinel bench features`, README.md")
-    return 0 if ok else 1
+            _stage(
+                f"serve the champion and stream {live.height:,} transactions at {cfg.stream_events_per_s:,.0f}/s"
+            )
+            service_log = open(cfg.workdir / "serve.log", "w")  # noqa: SIM115 (closed after the service)
+            service = _serve_process(bootstrap, prefix, dict(os.environ), service_log)
+            _wait_until_serving(service, cfg.workdir / "serve.log", 180)
+            streamed = _stream(cfg, bootstrap, prefix, live, labels)
+            summary = _summary(live, streamed)
+        finally:
+            if service is not None:
+                service.send_signal(signal.SIGTERM)  # finishes the batch in flight, commits, exits 0
+                try:
+                    service.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    service.kill()
+                service_log.close()
+
+    _stage("summary")
+    print(
+        f"scored {summary['events_scored']:,} events ({summary['frauds']:,} fraudulent) at "
+        f"{summary['events_per_s']:,.0f} events/s; {summary['alerts']:,} alerts, precision "
+        f"{summary['alert_precision']:.2f} ({summary['frauds_alerted']:,} frauds caught); latency p50 "
+        f"{summary['p50_ms']:.0f} ms, p99 {summary['p99_ms']:.0f} ms"
+    )
+    print(f"total {time.perf_counter() - started:.0f} s")
+    print(
+        "\nnext:\n"
+        f"  mlflow ui --backend-store-uri {os.environ['MLFLOW_TRACKING_URI']}   runs, metrics, plots, models\n"
+        f"  {cfg.workdir / 'comparison'}                                  comparison table and plots\n"
+        "  notebooks/backtest.ipynb, notebooks/model_comparison.ipynb\n"
+        f"  topics {prefix}scores, {prefix}alerts, {prefix}dead-letter on {bootstrap}; service log "
+        f"{cfg.workdir / 'serve.log'}"
+    )
+    return 0 if summary["events_scored"] == live.height else 1
 
 
 __all__ = ["DemoConfig", "run_demo"]

@@ -163,6 +163,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         results["model/step_us_per_event"] = step_cost_us_per_event(detector)
         results["train/seconds"] = train_seconds
         results["train/epochs"] = float(trainer.current_epoch)
+        best_score = trainer.checkpoint_callback.best_model_score
+        results["val/ap"] = float(best_score) if best_score is not None else float("nan")
         results["val/threshold"] = threshold.value
         results["val/alerts_per_day"] = threshold.validation_alerts_per_day
         results["val/precision_at_threshold"] = threshold.validation_precision
