@@ -13,10 +13,9 @@ Per micro-batch (one Kafka poll, or one slice of a replayed history), in arrival
 
 State lives in two places per account — the featurizer's account record and a row of the batched detector
 store — and leaves as one byte record (account_state.py) for the changelog. The featurizer's terminal
-table is NOT per account: every event reads the risk of its terminal, whoever's account it is. The service
-will keep it as the global terminal-risk table (every instance reads all of it); until then it is reachable
-as `scorer.featurizer.terminals` (whole snapshot: `scorer.featurizer.to_bytes()`), and nothing here saves
-or restores it with the accounts.
+table is NOT per account: every event reads the risk of its terminal, whoever's account it is. It lives in
+`scorer.featurizer.terminals`; the service persists and restores it as the global terminal-risk table
+(consumers/terminal_table.py), and nothing here saves or restores it with the accounts.
 
 An exception out of `score` (none is expected for validated messages) may leave the accounts of that batch
 half-applied: treat it as a crash and restore those accounts from the changelog.

@@ -12,8 +12,13 @@ number of the input event it came from: on assignment of input partition p, this
 partition p from its beginning up to its end (read_committed) and holds every account of p. On revocation
 the accounts of those partitions are evicted.
 
-Not handled here yet: the `labels` topic and the global terminal-risk table (the scorer's terminal state
-starts empty in every instance and is not persisted; see consumers/scorer.py).
+Labels and the global terminal-risk table (consumers/labels.py, consumers/terminal_table.py): on start,
+before joining the group, the instance restores the whole terminal table topic and seeks its own group-less
+`labels` reader (all partitions) to the label positions recorded there. Each batch, inside its transaction and
+before its events are scored, the labels committed so far are read (bad ones -> dead-letter), fraud labels are
+applied to the terminal table, and the records of every terminal touched plus the new label positions are
+produced with the scores: exact for one instance; with several, terminal counts are per-instance partial
+(see consumers/terminal_table.py).
 """
 
 import base64
@@ -26,24 +31,25 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, ProducerFencedError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, ProducerFencedError
 from kafka.serializer import DefaultSerializer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
+from consumers import terminal_table
+from consumers.labels import LabelReader, label_batch
 from consumers.messages import MessageError, decode_transaction, format_ts
 from consumers.metrics import Metrics, MetricsServer
 from consumers.scorer import Scorer
 from consumers.service_config import ServeConfig
+from consumers.topics import ensure_topics  # also the public way in for callers (pipeline/demo.py)
 from pipeline.artifact import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
 KEYS = DefaultSerializer()  # account ids, str <-> UTF-8 (bytes pass through unchanged)
 MAX_FAILED_BATCHES = 3  # consecutive aborted batches before the service gives up (a bug, not a blip)
-# The changelog must keep every account's latest record forever: compaction only, no time retention.
-CHANGELOG_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1"}
 
 
 @dataclass
@@ -57,6 +63,8 @@ class ServeStats:
     rebalances: int = 0
     restored_states: int = 0
     restore_s: float = 0.0
+    labels_applied: int = 0  # fraud and not-fraud labels read and applied (only fraud changes state)
+    restored_terminals: int = 0  # terminal records read from the table, at start and after aborts
 
 
 def serve(
@@ -94,53 +102,6 @@ def _install_signal_handlers(stop: threading.Event) -> dict:
     return previous
 
 
-def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
-    """Create the service's missing topics; returns the partition count of `transactions`.
-
-    Refuses a changelog whose partition count differs from the transactions topic: restoring input
-    partition p reads changelog partition p, so the counts must match.
-    """
-    admin = KafkaAdminClient(
-        bootstrap_servers=bootstrap, client_id="txsentinel-serve-admin", **cfg.kafka_security
-    )
-    try:
-        existing = set(admin.list_topics())
-        transactions = cfg.topic("transactions")
-        if transactions not in existing:
-            _create(admin, transactions, cfg.transactions_partitions, cfg.replication_factor, {})
-        partitions = _partition_count(admin, transactions)
-        for name in ("scores", "alerts", "dead_letter"):
-            if cfg.topic(name) not in existing:
-                _create(admin, cfg.topic(name), partitions, cfg.replication_factor, {})
-        changelog = cfg.topic("changelog")
-        if changelog not in existing:
-            _create(admin, changelog, partitions, cfg.replication_factor, CHANGELOG_CONFIG)
-        found = _partition_count(admin, changelog)
-        if found != partitions:
-            raise ValueError(
-                f"changelog topic {changelog!r} has {found} partitions, {transactions!r} has {partitions}: they "
-                "must match (state of input partition p lives in changelog partition p). Add partitions to the "
-                "changelog with kafka-topics.sh --alter, or point changelog_topic at a new topic and replay"
-            )
-        return partitions
-    finally:
-        admin.close()
-
-
-def _create(admin: KafkaAdminClient, name: str, partitions: int, replication: int, config: dict) -> None:
-    spec = {"num_partitions": partitions, "replication_factor": replication, "configs": config}
-    try:
-        admin.create_topics({name: spec}, wait_for_metadata=True)
-        log.info("created topic=%s partitions=%d config=%s", name, partitions, config)
-    except TopicAlreadyExistsError:
-        pass  # another instance created it in between
-
-
-def _partition_count(admin: KafkaAdminClient, topic: str) -> int:
-    (described,) = admin.describe_topics([topic])
-    return len(described["partitions"])
-
-
 class _Listener(ConsumerRebalanceListener):
     # kafka-python calls these from inside poll(), between batches: no transaction is open then, since
     # every batch commits (or aborts) before the next poll.
@@ -168,8 +129,10 @@ class _Service:
         self.assigned: set[int] = set()
         self.topic = cfg.topic("transactions")
         self.changelog = cfg.topic("changelog")
+        self.table = cfg.topic("terminal_table")
+        self.label_positions: dict[int, int] = {}  # the positions the committed terminal table reflects
         self.metrics_server = None
-        self.consumer = self.producer = self.restorer = None
+        self.consumer = self.producer = self.restorer = self.label_consumer = self.labels = None
 
     def start(self, bootstrap: str) -> None:
         cfg = self.cfg
@@ -195,6 +158,15 @@ class _Service:
             **security,
         )
         self.producer.init_transactions()
+        self.label_consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            client_id="txsentinel-serve-labels",
+            **security,
+        )
+        self.labels = LabelReader(self.label_consumer, cfg.topic("labels"), cfg.restore_timeout_s)
+        self._restore_terminals()  # before joining the group: no event is scored without the table
         self.consumer = KafkaConsumer(
             bootstrap_servers=bootstrap,
             group_id=cfg.group_id,
@@ -248,6 +220,7 @@ class _Service:
     def _process(self, batch: dict) -> None:
         cfg, producer = self.cfg, self.producer
         producer.begin_transaction()
+        terminals = self._apply_labels()  # labels committed before this batch count for all its events
         transactions, positions, offsets = [], [], {}
         for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
             for record in batch[tp]:
@@ -280,6 +253,15 @@ class _Service:
             if s.alert:
                 producer.send(cfg.topic("alerts"), key=s.account_id, value=value)
             partition_of[s.account_id] = s.position[0]
+        # Every terminal of the batch (applied or dropped as duplicate) and of its fraud labels: one record
+        # each, to the table's one partition, with the label positions those records reflect.
+        terminals.update(t.terminal_id for t in transactions)
+        for terminal, value in terminal_table.changed_records(self.scorer.featurizer, terminals):
+            producer.send(self.table, key=terminal, value=value, partition=0)
+        label_positions = self.labels.positions()
+        if label_positions != self.label_positions:
+            value = terminal_table.encode_positions(self.labels.topic, label_positions)
+            producer.send(self.table, key=terminal_table.POSITIONS_KEY, value=value, partition=0)
         # Only now forget the changed set: should anything below fail, the abort path evicts and restores.
         for account in self.scorer.take_changed():
             state = self.scorer.account_state_bytes(account)
@@ -292,6 +274,7 @@ class _Service:
         #      readers see all outputs and the new offsets at once, or (on abort or crash) none of them.
         producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
         producer.commit_transaction()
+        self.label_positions = label_positions
         alerts = sum(s.alert for s in scores)
         self.stats.batches += 1
         self.stats.events_scored += len(scores)
@@ -321,12 +304,37 @@ class _Service:
             self.scorer.evict(account, discard_changes=True)
         self.scorer.take_changed()
         self._restore(partitions)
+        self._restore_terminals()  # drops the batch's terminal counts and labels; labels are read again
         for tp in batch:
             committed = self.consumer.committed(tp)
             if committed is None:
                 self.consumer.seek_to_beginning(tp)  # auto_offset_reset=earliest: nothing committed yet
             else:
                 self.consumer.seek(tp, committed)
+
+    # -- labels and the terminal table -------------------------------------------------------------------
+    def _apply_labels(self) -> set[str]:
+        """Read the labels committed so far, dead-letter bad ones, apply the rest; -> fraud terminals."""
+        labels, bad = self.labels.catch_up()
+        for record, error in bad:
+            self.producer.send(
+                self.cfg.topic("dead_letter"), key=record.key, value=_dead_letter(record, error)
+            )
+            self.stats.dead_lettered += 1
+        if labels:
+            self.scorer.observe_labels(label_batch(labels))
+            self.stats.labels_applied += len(labels)
+        # Label metrics would need new names in consumers/metrics.py; bad labels count as dead-lettered input.
+        self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
+        return {label.terminal_id for label in labels if label.is_fraud}
+
+    def _restore_terminals(self) -> None:
+        positions, restored = terminal_table.restore_table(
+            self.restorer, self.table, self.scorer.featurizer, self.labels.topic, self.cfg.restore_timeout_s
+        )
+        self.labels.seek(positions)
+        self.label_positions = positions
+        self.stats.restored_terminals += restored
 
     # -- rebalance ---------------------------------------------------------------------------------------
     def on_revoked(self, revoked: Iterable[TopicPartition]) -> None:
@@ -409,6 +417,7 @@ class _Service:
             ("consumer", self.consumer, lambda c: c.close(autocommit=False)),
             ("producer", self.producer, lambda p: p.close(timeout=10)),
             ("restore consumer", self.restorer, lambda c: c.close()),
+            ("labels consumer", self.label_consumer, lambda c: c.close()),
             ("metrics", self.metrics_server, lambda m: m.close()),
         )
         for name, part, close in parts:

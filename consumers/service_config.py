@@ -37,6 +37,8 @@ class ServeConfig:
     alerts_topic: str = "alerts"
     dead_letter_topic: str = "dead-letter"
     changelog_topic: str = "account-state-changelog"  # compacted; partition count = transactions'
+    # compacted, one partition: terminal records + label positions (consumers/terminal_table.py)
+    terminal_table_topic: str = "terminal-risk-table"
     # Used only when the service creates a missing transactions topic; an existing one keeps its own.
     transactions_partitions: int = 3
     replication_factor: int = 1

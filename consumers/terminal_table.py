@@ -1,0 +1,131 @@
+"""The global terminal-risk table: the featurizer's per-terminal records, kept in a compacted Kafka topic.
+
+Layout. One compacted topic (`terminal_table_topic`, ONE partition, no time retention), keyed by terminal_id;
+the value is a versioned terminal record: header (magic, state version, feature version) + the featurizer's
+TERMINAL_STATE bytes (30-day rings of transaction counts and fraud-report counts). One reserved key,
+POSITIONS_KEY (it starts with a NUL byte, which no real terminal id has), holds the positions of the
+`labels` topic that the table reflects: {"topic": ..., "offsets": {partition: next offset to read}}.
+
+Writes. The service produces the records of the terminals a batch touched (its events' terminals and its
+fraud labels' terminals) and the new label positions in the SAME Kafka transaction as the batch's scores,
+account states and consumer offsets: terminal counts, label reports and account states move together, all
+or nothing, so one instance's table is exactly-once.
+
+Reads. On start an instance reads the whole topic (read_committed, up to its end offset; last record per key
+wins) into its featurizer, then reads `labels` from the recorded positions (from the beginning when there
+are none): a label is applied to the table exactly once across restarts and crashes. An aborted batch
+restores the table the same way (the batch's half-applied terminal counts and labels are discarded).
+
+Several instances: NOT exact. Every instance reads all labels, so fraud-report counts are complete in each
+one, but each instance adds to the terminal transaction counts only the events of ITS OWN partitions, and the
+topic is last-writer-wins per key: with N instances a terminal's counts are one instance's partial view
+(plus whatever it restored), and the label positions record is also last-writer-wins. The design is exact for
+one instance (or one partition). For several, the step up is per-writer keys (instance or input partition +
+terminal_id) summed by every reader, with label reports kept by one designated writer.
+"""
+
+import json
+import logging
+import struct
+import time
+
+from kafka import KafkaConsumer
+from kafka.structs import TopicPartition
+
+from pipeline.features.definitions import FEATURE_VERSION
+from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable
+from pipeline.features.stream import StreamingFeaturizer
+
+log = logging.getLogger(__name__)
+
+POSITIONS_KEY = "\x00labels-positions"
+TABLE_PARTITIONS = 1  # small and read whole by every instance: one partition keeps it simple and ordered
+TABLE_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1"}
+_MAGIC = b"TXST"
+_HEADER = struct.Struct("<4sHH")  # magic, state version, feature version
+
+
+def encode_terminal(record: bytes) -> bytes:
+    return _HEADER.pack(_MAGIC, STATE_VERSION, FEATURE_VERSION) + record
+
+
+def decode_terminal(terminal_id: str, data: bytes) -> bytes:
+    """The TERMINAL_STATE bytes of a table value; ValueError saying what to do when it is not one."""
+    if len(data) < _HEADER.size or data[:4] != _MAGIC:
+        raise ValueError(f"terminal table record of {terminal_id!r}: not a terminal record (bad magic)")
+    _, state_version, feature_version = _HEADER.unpack_from(data)
+    if (state_version, feature_version) != (STATE_VERSION, FEATURE_VERSION):
+        raise ValueError(
+            f"terminal table record of {terminal_id!r} has state version {state_version}, feature version "
+            f"{feature_version}; this txsentinel writes {STATE_VERSION}, {FEATURE_VERSION}. Point "
+            "terminal_table_topic at a new topic and replay, or serve the version that wrote it"
+        )
+    record = data[_HEADER.size :]
+    if len(record) != TERMINAL_STATE.itemsize:
+        raise ValueError(
+            f"terminal table record of {terminal_id!r} is {len(record)} bytes, expected {TERMINAL_STATE.itemsize}"
+        )
+    return record
+
+
+def encode_positions(topic: str, offsets: dict[int, int]) -> bytes:
+    return json.dumps({"topic": topic, "offsets": {str(p): o for p, o in sorted(offsets.items())}}).encode()
+
+
+def decode_positions(data: bytes, labels_topic: str) -> dict[int, int]:
+    value = json.loads(data)
+    if value["topic"] != labels_topic:
+        raise ValueError(
+            f"the terminal table reflects labels topic {value['topic']!r}, this service reads {labels_topic!r}: "
+            "point terminal_table_topic at a new topic for the new labels topic"
+        )
+    return {int(p): int(o) for p, o in value["offsets"].items()}
+
+
+def changed_records(featurizer: StreamingFeaturizer, terminals: set[str]) -> list[tuple[str, bytes]]:
+    """(terminal_id, table value) of each terminal in memory among `terminals`, sorted by id."""
+    out = []
+    for terminal in sorted(terminals):
+        record = featurizer.terminals.get_bytes(terminal)
+        if record is not None:  # a terminal of dropped duplicates only, never featurized here
+            out.append((terminal, encode_terminal(record)))
+    return out
+
+
+def restore_table(
+    reader: KafkaConsumer, topic: str, featurizer: StreamingFeaturizer, labels_topic: str, timeout_s: float
+) -> tuple[dict[int, int], int]:
+    """Replace the featurizer's terminal table with the topic's; returns (label positions, terminals).
+
+    `reader` is a group-less consumer (read_committed); it is assigned the table partition and unassigned
+    afterwards. Raises TimeoutError past `timeout_s`.
+    """
+    started = time.monotonic()
+    tps = [TopicPartition(topic, p) for p in range(TABLE_PARTITIONS)]
+    reader.assign(tps)
+    reader.seek_to_beginning(*tps)
+    end = reader.end_offsets(tps)  # read_committed: the last stable offset
+    latest: dict[str, bytes | None] = {}
+    while any(reader.position(tp) < end[tp] for tp in tps):
+        if time.monotonic() - started > timeout_s:
+            left = {tp.partition: end[tp] - reader.position(tp) for tp in tps}
+            raise TimeoutError(
+                f"restoring terminal table {topic!r} took over {timeout_s} s with {left} records left; raise "
+                "restore_timeout_s or check the broker"
+            )
+        for records in reader.poll(timeout_ms=200).values():
+            for record in records:
+                latest[record.key.decode()] = record.value  # last record per key wins
+    reader.unsubscribe()
+    positions_value = latest.pop(POSITIONS_KEY, None)
+    table = StateTable(TERMINAL_STATE)
+    for terminal, value in latest.items():
+        if value is not None:  # a tombstone: the terminal was deleted
+            table.put_bytes(terminal, decode_terminal(terminal, value))
+    featurizer.terminals = table
+    positions = {} if positions_value is None else decode_positions(positions_value, labels_topic)
+    log.info(
+        "terminal table restored topic=%s terminals=%d label_positions=%s seconds=%.3f",
+        topic, len(table), positions, time.monotonic() - started,
+    )  # fmt: skip
+    return positions, len(table)
