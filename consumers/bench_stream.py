@@ -1,0 +1,403 @@
+"""Streaming benchmark: the scoring service end to end against the raw kafka-python ceiling, on the real broker.
+
+For one model (`run_stream_bench`), all in one run on the same machine:
+  (i)  raw ceiling: a subprocess pinned to ONE core runs a plain consume -> produce loop with kafka-python,
+       shaped like the service (same group consumer settings and max_poll_records, one transactional producer,
+       every record re-sent to an output topic, send_offsets_to_transaction + commit per poll), over the
+       same N events. Rate = records / (last - first output record timestamp).
+  (ii) the service: `consumers.service.serve` in a subprocess pinned to ONE core (os.sched_setaffinity; the
+       broker and this harness use the other cores). It starts on an empty topic; once it owns the partitions,
+       N generated events are produced at full speed. Events/s = scores / (last - first score record
+       timestamp); latency = score record timestamp - input record timestamp (both Kafka CreateTime, ms; the
+       score's is taken at send time inside the transaction, i.e. just before its commit). At full speed the
+       latency is saturation latency (queueing behind the backlog).
+  (iii) the same at about half the measured service rate (rate-limited producer): the operating latency.
+
+Run: `python -m consumers.bench_stream [--events N] [--detectors lstm linear_transformer]`; the broker is the
+project's (scripts/kafka.sh): reused if it is up, otherwise started and stopped again at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+log_prefix = "bench_stream:"
+
+
+def _pin(core: int | None) -> None:
+    if core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {core})
+
+
+def _default_core() -> int | None:
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return max(os.sched_getaffinity(0))  # the harness prefers lower cores; the broker floats
+
+
+# -- child processes -------------------------------------------------------------------------------------
+def _service_child(overrides: dict, model_dir: str, bootstrap: str, core: int | None) -> None:
+    _pin(core)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    from consumers.service import serve
+    from consumers.service_config import load_serve_config
+
+    serve(load_serve_config(config_file=None, overrides=overrides, env={}), model_dir, bootstrap)
+
+
+def _raw_child(bootstrap: str, source: str, sink: str, count: int, max_poll_records: int, core: int | None):
+    """consume -> produce -> send_offsets_to_transaction -> commit per poll, like the service minus scoring."""
+    _pin(core)
+    from kafka import KafkaConsumer, KafkaProducer
+    from kafka.structs import OffsetAndMetadata
+
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap, transactional_id=f"bench-raw-{uuid.uuid4().hex[:8]}"
+    )
+    producer.init_transactions()
+    consumer = KafkaConsumer(
+        source,
+        bootstrap_servers=bootstrap,
+        group_id=f"bench-raw-{uuid.uuid4().hex[:8]}",
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_poll_records=max_poll_records,
+    )
+    done = 0
+    while done < count:
+        batch = consumer.poll(timeout_ms=500, max_records=max_poll_records)
+        if not batch:
+            continue
+        producer.begin_transaction()
+        offsets = {}
+        for tp, records in batch.items():
+            for r in records:
+                producer.send(sink, key=r.key, value=r.value)
+                done += 1
+            offsets[tp] = OffsetAndMetadata(records[-1].offset + 1, "", -1)
+        producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
+        producer.commit_transaction()
+    consumer.close(autocommit=False)
+    producer.close(timeout=10)
+
+
+# -- harness helpers -------------------------------------------------------------------------------------
+def _admin(bootstrap):
+    from kafka import KafkaAdminClient
+
+    return KafkaAdminClient(bootstrap_servers=bootstrap, client_id="txsentinel-bench")
+
+
+def _create(bootstrap: str, name: str, partitions: int) -> None:
+    admin = _admin(bootstrap)
+    try:
+        admin.create_topics(
+            {name: {"num_partitions": partitions, "replication_factor": 1}}, wait_for_metadata=True
+        )
+    finally:
+        admin.close()
+
+
+def _delete_prefix(bootstrap: str, prefix: str) -> None:
+    try:
+        admin = _admin(bootstrap)
+        try:
+            admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
+        finally:
+            admin.close()
+    except Exception as error:  # cleanup only
+        print(log_prefix, f"could not delete topics {prefix}*: {error!r}")
+
+
+def _wait_owned(bootstrap: str, group: str, proc, timeout_s: float = 120) -> None:
+    """Until the group is Stable with a member that holds partitions (the service is ready to consume)."""
+    admin = _admin(bootstrap)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if not proc.is_alive():
+                raise RuntimeError(f"the service process exited early (exit code {proc.exitcode})")
+            info = admin.describe_groups([group])[group]
+            if info["group_state"] == "Stable" and info["members"]:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"group {group} not stable within {timeout_s} s: {info['group_state']}")
+            time.sleep(0.2)
+    finally:
+        admin.close()
+
+
+def _read_timestamps(bootstrap: str, topic: str, count: int, timeout_s: float, proc=None, key=None):
+    """Read `count` committed records of `topic` -> {event_id: timestamp_ms} (event_id from the JSON value)."""
+    from kafka import KafkaConsumer
+    from kafka.structs import TopicPartition
+
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        parts = None
+        while not parts:
+            parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                time.sleep(0.2)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"topic {topic} never appeared")
+        tps = [TopicPartition(topic, p) for p in parts]
+        consumer.assign(tps)
+        consumer.seek_to_beginning()
+        out: dict[str, int] = {}
+        seen = 0
+        while seen < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{seen} of {count} records of {topic} within {timeout_s} s")
+            if proc is not None and not proc.is_alive():
+                raise RuntimeError(f"the process writing {topic} exited (exit code {proc.exitcode})")
+            for records in consumer.poll(timeout_ms=500, max_records=5000).values():
+                for r in records:
+                    seen += 1
+                    out[json.loads(r.value)["event_id"] if key is None else key(r)] = r.timestamp
+        return out, seen
+    finally:
+        consumer.close()
+
+
+def _produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]], rate: float | None) -> float:
+    """Send all messages (rate: events/s, None = full speed); returns the achieved events/s."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks=1, linger_ms=2, batch_size=256 * 1024)
+    started = time.monotonic()
+    try:
+        if rate is None:
+            for key, value in messages:
+                producer.send(topic, key=key, value=value)
+        else:
+            slice_s = 0.01
+            per_slice = max(1, round(rate * slice_s))
+            for i in range(0, len(messages), per_slice):
+                due = started + i / rate
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                for key, value in messages[i : i + per_slice]:
+                    producer.send(topic, key=key, value=value)
+        producer.flush()
+    finally:
+        producer.close(timeout=10)
+    return len(messages) / max(time.monotonic() - started, 1e-9)
+
+
+def _events(n: int, seed: int = 3):
+    """n generated events in time order, as (key, value) messages, and the frame they came from."""
+    from consumers.messages import Transaction, encode_transaction
+    from pipeline.generate import GenerateConfig, generate
+
+    frame = generate(GenerateConfig(accounts=max(200, n // 40), days=45, seed=seed)).sort("ts", "event_id")
+    if frame.height < n:
+        raise ValueError(f"generated {frame.height} events, fewer than {n}")
+    frame = frame.head(n)
+    cols = (
+        frame["event_id"].to_list(),
+        frame["account_id"].to_list(),
+        frame["ts"].dt.epoch("us").to_list(),
+        frame["amount"].to_list(),
+        frame["terminal_id"].to_list(),
+    )
+    msgs = [
+        (a.encode(), encode_transaction(Transaction(e, a, t, m, term)))
+        for e, a, t, m, term in zip(*cols, strict=True)
+    ]
+    return msgs, frame
+
+
+def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s) -> dict:
+    prefix = overrides["topic_prefix"]
+    _create(bootstrap, prefix + "transactions", overrides["transactions_partitions"])
+    proc = ctx.Process(target=_service_child, args=(overrides, model_dir, bootstrap, core), daemon=True)
+    proc.start()
+    try:
+        _wait_owned(bootstrap, overrides["group_id"], proc)
+        produced_rate = _produce(bootstrap, prefix + "transactions", msgs, rate)
+        scores, seen = _read_timestamps(bootstrap, prefix + "scores", len(msgs), timeout_s, proc=proc)
+        inputs, _ = _read_timestamps(bootstrap, prefix + "transactions", len(msgs), timeout_s)
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGTERM)  # serve() finishes its batch and leaves the group
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    ts = np.array(sorted(scores.values()), dtype=np.int64)
+    lat = np.array([scores[e] - inputs[e] for e in scores], dtype=np.float64)
+    span_s = max((ts[-1] - ts[0]) / 1000.0, 1e-3)
+    return {
+        "events": len(msgs),
+        "scores": seen,
+        "events_per_s": (len(ts) - 1) / span_s,
+        "producer_events_per_s": produced_rate,
+        "p50_ms": float(np.percentile(lat, 50)),
+        "p99_ms": float(np.percentile(lat, 99)),
+        "max_ms": float(lat.max()),
+    }
+
+
+def _raw_run(ctx, bootstrap, prefix, count, partitions, max_poll_records, core, timeout_s) -> dict:
+    source, sink = prefix + "transactions", prefix + "raw-out"
+    _create(bootstrap, sink, partitions)
+    proc = ctx.Process(
+        target=_raw_child, args=(bootstrap, source, sink, count, max_poll_records, core), daemon=True
+    )
+    proc.start()
+    try:
+        out, seen = _read_timestamps(
+            bootstrap, sink, count, timeout_s, proc=None, key=lambda r: (r.partition, r.offset)
+        )
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+    ts = np.array(sorted(out.values()), dtype=np.int64)
+    return {"events": seen, "events_per_s": (len(ts) - 1) / max((ts[-1] - ts[0]) / 1000.0, 1e-3)}
+
+
+def run_stream_bench(
+    model,
+    bootstrap: str,
+    events: int = 50_000,
+    partitions: int = 3,
+    max_poll_records: int = 500,
+    half_rate_seconds: float = 20.0,
+    core: int | None = -1,
+    timeout_s: float = 600.0,
+) -> dict:
+    """Benchmark one model (a LoadedModel or a model directory/URI loadable by the service) on `bootstrap`.
+
+    core: the CPU the service and the raw loop are pinned to (-1: the highest allowed; None: no pinning).
+    Returns {"service": {...}, "raw": {...}, "half_rate": {...}, "ratio": service/raw, ...}.
+    """
+    from pipeline.artifact import LoadedModel, save_model_dir
+
+    core = _default_core() if core == -1 else core
+    ctx = mp.get_context("spawn")  # a clean interpreter per child: no forked Kafka threads or torch state
+    with tempfile.TemporaryDirectory(prefix="bench-model-") as tmp:
+        if isinstance(model, LoadedModel):
+            model_dir = str(save_model_dir(Path(tmp) / "model", model.detector, model.spec, dict(model.meta)))
+        else:
+            model_dir = str(model)
+        msgs, _ = _events(events)
+        prefix = f"bench-{uuid.uuid4().hex[:8]}-"
+        base = {
+            "max_poll_records": max_poll_records,
+            "transactions_partitions": partitions,
+            "poll_timeout_ms": 100,
+        }
+        try:
+            full = _service_run(
+                ctx, bootstrap, model_dir, msgs,
+                {**base, "topic_prefix": prefix, "group_id": prefix + "group"}, core, None, timeout_s,
+            )  # fmt: skip
+            raw = _raw_run(ctx, bootstrap, prefix, events, partitions, max_poll_records, core, timeout_s)
+            rate = full["events_per_s"] / 2
+            n_half = int(min(events, max(1000, rate * half_rate_seconds)))
+            prefix2 = f"bench-{uuid.uuid4().hex[:8]}-"
+            half = _service_run(
+                ctx, bootstrap, model_dir, msgs[:n_half],
+                {**base, "topic_prefix": prefix2, "group_id": prefix2 + "group"}, core, rate, timeout_s,
+            )  # fmt: skip
+            half["target_events_per_s"] = rate
+        finally:
+            _delete_prefix(bootstrap, prefix)
+            if "prefix2" in locals():
+                _delete_prefix(bootstrap, prefix2)
+    return {
+        "service": full,
+        "raw": raw,
+        "half_rate": half,
+        "ratio": full["events_per_s"] / raw["events_per_s"],
+        "pinned_core": core,
+        "mode": "service and raw loop each in a spawned subprocess pinned to one core",
+        "max_poll_records": max_poll_records,
+        "partitions": partitions,
+    }
+
+
+def build_default_model(name: str, out_dir: Path, seed: int = 0) -> str:
+    """An untrained detector at its default size with a feature spec fitted on generated data (for cost only)."""
+    import torch
+
+    from models.registry import build_detector
+    from pipeline.artifact import save_model_dir
+    from pipeline.features import compute_features, fit_feature_spec
+    from pipeline.generate import GenerateConfig, generate
+
+    frame = generate(GenerateConfig(accounts=200, days=30, seed=seed))
+    start = frame["ts"].min()
+    spec = fit_feature_spec(compute_features(frame), start, start + timedelta(days=20))
+    torch.manual_seed(seed)
+    detector = build_detector(
+        name, {"num_features": spec.num_features, "terminal_buckets": spec.terminal_buckets}
+    )
+    return str(save_model_dir(out_dir / name, detector, spec, {"model_version": f"bench-{name}"}))
+
+
+def format_table(results: dict[str, dict]) -> str:
+    head = (
+        f"{'detector':<20}{'service ev/s':>14}{'raw ceiling ev/s':>18}{'svc/ceiling':>13}"
+        f"{'p50 ms @max':>13}{'p99 ms @max':>13}{'half-rate ev/s':>16}{'p50 ms @half':>14}{'p99 ms @half':>14}"
+    )
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        s, h = r["service"], r["half_rate"]
+        lines.append(
+            f"{name:<20}{s['events_per_s']:>14.0f}{r['raw']['events_per_s']:>18.0f}{100 * r['ratio']:>12.1f}%"
+            f"{s['p50_ms']:>13.0f}{s['p99_ms']:>13.0f}{h['events_per_s']:>16.0f}{h['p50_ms']:>14.0f}{h['p99_ms']:>14.0f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=50_000)
+    parser.add_argument("--detectors", nargs="+", default=["lstm", "linear_transformer"])
+    parser.add_argument("--partitions", type=int, default=3)
+    parser.add_argument("--max-poll-records", type=int, default=500)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    from consumers.broker import project_broker
+
+    results = {}
+    with project_broker() as bootstrap, tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
+        for name in args.detectors:
+            model_dir = build_default_model(name, Path(tmp))
+            print(log_prefix, f"{name}: {args.events} events on {bootstrap} ...", flush=True)
+            results[name] = run_stream_bench(
+                model_dir, bootstrap, events=args.events, partitions=args.partitions,
+                max_poll_records=args.max_poll_records,
+            )  # fmt: skip
+            print(log_prefix, json.dumps(results[name], default=float), flush=True)
+    print(format_table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
