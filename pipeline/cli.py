@@ -130,6 +130,11 @@ def _bench(args: argparse.Namespace) -> int:
         from pipeline.bench import run_feature_bench
 
         run_feature_bench(events=args.events, batch_events=args.batch_events, seed=args.seed)
+    elif args.bench == "stream":
+        from consumers.bench_stream import main as run_stream_bench
+
+        argv = ["--events", str(args.events), "--detectors", *(args.models or ["lstm", "linear_transformer"])]
+        return run_stream_bench(argv)
     elif args.bench == "replay":
         from pipeline.bench import run_replay_bench
 
@@ -261,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--events", type=int, default=1_000_000, help="events to featurize (default 1M)")
     b.add_argument("--batch-events", type=int, default=500, help="stream micro-batch size (default 500)")
     b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(run=_bench)
+    b = bench.add_parser("stream", help="the service end to end on the project's broker vs the raw client")
+    b.add_argument("models", nargs="*", help="detectors (default: lstm linear_transformer), untrained")
+    b.add_argument("--events", type=int, default=50_000)
     b.set_defaults(run=_bench)
     b = bench.add_parser("replay", help="history replayed through the live scorer (the backtest path)")
     b.add_argument("models", nargs="*", help="detectors (default: lstm linear_transformer)")
