@@ -206,13 +206,25 @@ def _header(detector: RecurrentDetector) -> bytes:
     )
 
 
+# (detector name, config, state dtype) -> (layout, header): both are fixed for a config and dtype, and the
+# service encodes thousands of account records per poll, so they are worked out once.
+_CODECS: dict[tuple, tuple[list[tuple[str, tuple[int, ...], torch.dtype]], bytes]] = {}
+
+
+def _codec(detector: RecurrentDetector) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], bytes]:
+    key = (detector.name, detector.config, detector.state_dtype)
+    if key not in _CODECS:
+        _CODECS[key] = (_layout(detector), _header(detector))
+    return _CODECS[key]
+
+
 def _payload_bytes(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> int:
     return sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for _, shape, dtype in layout)
 
 
 def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
     """One versioned record per account of a batched state."""
-    layout = _layout(detector)
+    layout, header = _codec(detector)
     if sorted(state) != [key for key, _, _ in layout]:
         raise ValueError(
             f"{detector.name}: state has keys {sorted(state)}, expected {[k for k, _, _ in layout]}"
@@ -229,7 +241,6 @@ def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
         array = value.detach().to("cpu").contiguous().numpy().reshape(batch, -1)
         columns.append(array.view(np.uint8))  # [B, bytes of this tensor per account]
     rows = np.concatenate(columns, axis=1)
-    header = _header(detector)
     return [header + row.tobytes() for row in rows]
 
 
@@ -238,8 +249,7 @@ def decode_state(detector: RecurrentDetector, records: list[bytes]) -> State:
 
     Raises ValueError naming the first record that does not match this detector and what to do about it.
     """
-    layout = _layout(detector)
-    header = _header(detector)
+    layout, header = _codec(detector)
     expected = len(header) + _payload_bytes(layout)
     for i, record in enumerate(records):
         if len(record) != expected or not record.startswith(header):
