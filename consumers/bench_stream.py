@@ -205,24 +205,14 @@ def _produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]], ra
 
 def _events(n: int, seed: int = 3):
     """n generated events in time order, as (key, value) messages, and the frame they came from."""
-    from consumers.messages import Transaction, encode_transaction
+    from consumers.messages import encode_transaction, transactions_from_frame
     from pipeline.generate import GenerateConfig, generate
 
     frame = generate(GenerateConfig(accounts=max(200, n // 40), days=45, seed=seed)).sort("ts", "event_id")
     if frame.height < n:
         raise ValueError(f"generated {frame.height} events, fewer than {n}")
     frame = frame.head(n)
-    cols = (
-        frame["event_id"].to_list(),
-        frame["account_id"].to_list(),
-        frame["ts"].dt.epoch("us").to_list(),
-        frame["amount"].to_list(),
-        frame["terminal_id"].to_list(),
-    )
-    msgs = [
-        (a.encode(), encode_transaction(Transaction(e, a, t, m, term)))
-        for e, a, t, m, term in zip(*cols, strict=True)
-    ]
+    msgs = [(tx.account_id.encode(), encode_transaction(tx)) for tx in transactions_from_frame(frame)]
     return msgs, frame
 
 

@@ -122,6 +122,18 @@ def decode_transaction(value: bytes) -> Transaction:
     )
 
 
+def transactions_from_frame(frame) -> list[Transaction]:
+    """The rows of a canonical polars frame (event_id, account_id, ts, amount, terminal_id) as Transactions."""
+    columns = (
+        frame["event_id"].to_list(),
+        frame["account_id"].to_list(),
+        frame["ts"].dt.epoch("us").to_list(),
+        frame["amount"].to_list(),
+        frame["terminal_id"].to_list(),
+    )
+    return [Transaction(e, a, t, m, term) for e, a, t, m, term in zip(*columns, strict=True)]
+
+
 def encode_transaction(tx: Transaction) -> bytes:
     data = {
         "event_id": tx.event_id,

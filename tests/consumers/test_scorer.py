@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 import torch
 
-from consumers.messages import Transaction
+from consumers.messages import Transaction, transactions_from_frame
 from consumers.scorer import Scorer
 from models.registry import REGISTRY, build_detector
 from pipeline.artifact import LoadedModel
@@ -55,17 +55,6 @@ def make_model(name: str, spec: FeatureSpec, seed: int = 0, **overrides) -> Load
     return LoadedModel(detector=detector, spec=spec)
 
 
-def transactions(frame: pl.DataFrame) -> list[Transaction]:
-    columns = (
-        frame["event_id"].to_list(),
-        frame["account_id"].to_list(),
-        frame["ts"].dt.epoch("us").to_list(),
-        frame["amount"].to_list(),
-        frame["terminal_id"].to_list(),
-    )
-    return [Transaction(e, a, t, m, term) for e, a, t, m, term in zip(*columns, strict=True)]
-
-
 def logits(records) -> np.ndarray:
     return np.array([r.logit for r in records])
 
@@ -104,7 +93,7 @@ def test_replay_equals_parallel_forward_over_each_account_history(name, frame, f
 @pytest.mark.parametrize("name", DETECTORS)
 def test_duplicate_delivery_changes_nothing(name, frame, spec):
     model = make_model(name, spec)
-    txs = transactions(frame.head(450))
+    txs = transactions_from_frame(frame.head(450))
     positions = [(0, i) for i in range(len(txs))]
     scorer = Scorer(model)
     first = scorer.score(txs[:300], positions[:300])
@@ -134,7 +123,7 @@ def test_duplicate_delivery_changes_nothing(name, frame, spec):
 
 @pytest.mark.parametrize("name", DETECTORS)
 def test_out_of_order_events_are_flagged_and_scored(name, frame, spec):
-    txs = transactions(frame.head(300))
+    txs = transactions_from_frame(frame.head(300))
     scorer = Scorer(make_model(name, spec))
     assert not any(r.out_of_order for r in scorer.score(txs))  # time order: nothing late
     account, terminal, newest = txs[-1].account_id, txs[-1].terminal_id, txs[-1].ts_us
@@ -158,7 +147,7 @@ def test_out_of_order_events_are_flagged_and_scored(name, frame, spec):
 @pytest.mark.parametrize("name", DETECTORS)
 def test_evicted_and_restored_account_scores_as_if_never_evicted(name, frame, spec):
     model = make_model(name, spec)
-    txs = transactions(frame.head(1200))
+    txs = transactions_from_frame(frame.head(1200))
     positions = [(3, 1000 + i) for i in range(len(txs))]
     straight, evicting = Scorer(model), Scorer(model)
     batches = [slice(s, s + 150) for s in range(0, len(txs), 150)]
@@ -193,7 +182,7 @@ def test_evicted_and_restored_account_scores_as_if_never_evicted(name, frame, sp
 
 @pytest.mark.parametrize("name", DETECTORS)
 def test_record_of_another_model_is_refused_with_a_clear_message(name, frame, spec):
-    txs = transactions(frame.head(200))
+    txs = transactions_from_frame(frame.head(200))
     source = Scorer(make_model(name, spec))
     source.score(txs)
     account = txs[0].account_id
@@ -222,7 +211,7 @@ def test_record_of_another_model_is_refused_with_a_clear_message(name, frame, sp
 
 def test_evicting_unsaved_changes_is_refused(frame, spec):
     scorer = Scorer(make_model(DETECTORS[0], spec))
-    txs = transactions(frame.head(50))
+    txs = transactions_from_frame(frame.head(50))
     scorer.score(txs, [(0, i) for i in range(50)])
     account = txs[0].account_id
     with pytest.raises(ValueError, match="take_changed"):
@@ -240,7 +229,7 @@ def test_evicting_unsaved_changes_is_refused(frame, spec):
 @pytest.mark.parametrize("name", DETECTORS)
 def test_alert_follows_the_threshold(name, frame, spec):
     model = make_model(name, spec)
-    txs = transactions(frame.head(400))
+    txs = transactions_from_frame(frame.head(400))
     scores = np.array([r.score for r in Scorer(model).score(txs)])
     threshold = float(np.median(scores))
     records = Scorer(model, threshold=threshold).score(txs)

@@ -32,7 +32,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 
 from consumers.broker import REPO_ROOT
-from consumers.messages import Transaction, encode_transaction
+from consumers.messages import Transaction, encode_transaction, transactions_from_frame
 from consumers.scorer import Scorer
 from consumers.service import serve
 from consumers.service_config import load_serve_config
@@ -51,15 +51,20 @@ def frame() -> pl.DataFrame:
     return generate(GenerateConfig(accounts=20, days=12, seed=11)).sort("ts", "event_id")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, frame):
+def save_tiny_model(frame: pl.DataFrame, fit_days: int, out, version: str) -> str:
+    """An untrained tiny LSTM artifact whose normalisation is fitted on the first `fit_days` of `frame`."""
     features = compute_features(frame)
     start = frame["ts"].min()
-    spec = fit_feature_spec(features, start, start + timedelta(days=8))
+    spec = fit_feature_spec(features, start, start + timedelta(days=fit_days))
     torch.manual_seed(0)
     tiny = {"num_features": spec.num_features, "d_model": 8, "num_layers": 1, "dropout": 0.0}
     detector = build_detector("lstm", tiny)
-    return str(save_model_dir(tmp_path_factory.mktemp("model"), detector, spec, {"model_version": "test-1"}))
+    return str(save_model_dir(out, detector, spec, {"model_version": version}))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, frame):
+    return save_tiny_model(frame, 8, tmp_path_factory.mktemp("model"), "test-1")
 
 
 @pytest.fixture
@@ -74,17 +79,6 @@ def service_cfg(kafka_bootstrap):
         admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
     finally:
         admin.close()
-
-
-def transactions(frame: pl.DataFrame) -> list[Transaction]:
-    columns = (
-        frame["event_id"].to_list(),
-        frame["account_id"].to_list(),
-        frame["ts"].dt.epoch("us").to_list(),
-        frame["amount"].to_list(),
-        frame["terminal_id"].to_list(),
-    )
-    return [Transaction(e, a, t, m, term) for e, a, t, m, term in zip(*columns, strict=True)]
 
 
 def create_topic(bootstrap: str, name: str, partitions: int) -> None:
@@ -179,7 +173,7 @@ def assert_same_scores(by_event: dict[str, dict], reference) -> None:
 
 def test_every_event_gets_one_score_equal_to_the_scorers(kafka_bootstrap, service_cfg, frame, model_dir):
     cfg = service_cfg()
-    events = transactions(frame)
+    events = transactions_from_frame(frame)
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
     produce(
         kafka_bootstrap, cfg.topic("transactions"), [(t.account_id, encode_transaction(t)) for t in events]
@@ -207,7 +201,7 @@ def test_bad_input_goes_to_dead_letter_with_its_reason_and_the_rest_is_scored(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = service_cfg(metrics_port=port, metrics_host="127.0.0.1")
-    events = transactions(frame.head(150))
+    events = transactions_from_frame(frame.head(150))
     good = json.loads(encode_transaction(events[0]))
     bad = {
         b"{not json": "not valid UTF-8 JSON",
@@ -254,7 +248,7 @@ def test_a_restarted_service_resumes_from_committed_offsets_and_changelog_state(
     kafka_bootstrap, service_cfg, frame, model_dir
 ):
     cfg = service_cfg(max_poll_records=10)
-    events = transactions(frame)
+    events = transactions_from_frame(frame)
     messages = [(t.account_id, encode_transaction(t)) for t in events]
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
     # The stream arrives in two parts, so the first instance surely stops before its end: it may finish
@@ -297,7 +291,7 @@ def test_a_killed_service_loses_nothing_and_scores_nothing_twice(
     # dead member before handing its partition on, and its open transaction holds back read_committed
     # readers (and the next instance's restore) until transaction_timeout_ms (60 s) aborts it.
     cfg = service_cfg(max_poll_records=5, transaction_timeout_ms=5000, session_timeout_ms=6000)
-    events = transactions(frame)
+    events = transactions_from_frame(frame)
     messages = [(t.account_id, encode_transaction(t)) for t in events]
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
     split = len(events) * 2 // 3

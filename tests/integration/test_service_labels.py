@@ -13,7 +13,7 @@ import json
 import polars as pl
 import pytest
 
-from consumers.messages import Label, encode_label, encode_transaction
+from consumers.messages import Label, encode_label, encode_transaction, transactions_from_frame
 from consumers.scorer import Scorer
 from pipeline.artifact import load_model
 from tests.integration import test_service
@@ -23,7 +23,6 @@ from tests.integration.test_service import (
     create_topic,
     produce,
     read_committed,
-    transactions,
     wait_for_scores,
 )
 
@@ -82,7 +81,7 @@ def assert_scores_equal(by_event: dict[str, dict], reference: dict[str, float]) 
 
 def test_labels_change_terminal_features_like_replay(kafka_bootstrap, service_cfg, frame, model_dir):
     cfg = service_cfg()
-    events = transactions(frame)
+    events = transactions_from_frame(frame)
     split = split_at_new_ts(frame, len(events) // 3)
     labelled, labels = with_labels(frame, split)
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
@@ -121,7 +120,7 @@ def test_a_restarted_service_restores_the_terminal_table_and_label_positions(
     kafka_bootstrap, service_cfg, frame, model_dir
 ):
     cfg = service_cfg(max_poll_records=10)
-    events = transactions(frame)
+    events = transactions_from_frame(frame)
     messages = [(t.account_id, encode_transaction(t)) for t in events]
     split = split_at_new_ts(frame, len(events) // 3)
     labelled, labels = with_labels(frame, split)
@@ -152,7 +151,7 @@ def test_a_restarted_service_restores_the_terminal_table_and_label_positions(
 
 def test_a_bad_label_goes_to_dead_letter_and_good_ones_apply(kafka_bootstrap, service_cfg, frame, model_dir):
     cfg = service_cfg()
-    events = transactions(frame.head(40))
+    events = transactions_from_frame(frame.head(40))
     good = Label(events[0].event_id, events[0].account_id, events[0].terminal_id, True, events[0].ts_us)
     good_json = json.loads(encode_label(good))
     bad = {

@@ -27,20 +27,16 @@ import subprocess
 import sys
 import time
 import uuid
-from datetime import timedelta
 
 import polars as pl
 import pytest
-import torch
 from kafka import KafkaAdminClient
 
 from consumers.broker import REPO_ROOT
-from consumers.messages import Transaction, encode_transaction
+from consumers.messages import Transaction, encode_transaction, transactions_from_frame
 from consumers.scorer import Scorer
 from consumers.service_config import load_serve_config
-from models.registry import build_detector
-from pipeline.artifact import load_model, save_model_dir
-from pipeline.features import compute_features, fit_feature_spec
+from pipeline.artifact import load_model
 from pipeline.generate import GenerateConfig, generate
 from tests.integration.test_service import (
     CHILD,
@@ -50,7 +46,7 @@ from tests.integration.test_service import (
     create_topic,
     produce,
     read_committed,
-    transactions,
+    save_tiny_model,
 )
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -77,13 +73,7 @@ def big_frame() -> pl.DataFrame:  # 23437 events, 393 accounts: 1-2 minutes with
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, frame):
-    features = compute_features(frame)
-    start = frame["ts"].min()
-    spec = fit_feature_spec(features, start, start + timedelta(days=20))
-    torch.manual_seed(0)
-    tiny = {"num_features": spec.num_features, "d_model": 8, "num_layers": 1, "dropout": 0.0}
-    detector = build_detector("lstm", tiny)
-    return str(save_model_dir(tmp_path_factory.mktemp("model"), detector, spec, {"model_version": "res-1"}))
+    return save_tiny_model(frame, 20, tmp_path_factory.mktemp("model"), "res-1")
 
 
 @pytest.fixture
@@ -146,7 +136,7 @@ def test_a_member_joining_and_leaving_mid_stream_changes_no_score(
 ):
     """Rebalance: B joins while A scores, then B leaves (stop_event); full-score parity (unique terminals)."""
     cfg = service_cfg(max_poll_records=20)
-    events = transactions(frame)
+    events = transactions_from_frame(frame)
     msgs = messages(events)
     n = len(events)
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=4)
@@ -186,7 +176,7 @@ def test_the_service_rides_out_a_broker_restart(kafka_broker, kafka_bootstrap, s
     """The broker stops and starts on the same data under a running service, which must recover on its own."""
     # Small batches, so the service is still working through the first part when the broker goes away.
     cfg = service_cfg(max_poll_records=5)
-    events = transactions(frame)
+    events = transactions_from_frame(frame)
     msgs = messages(events)
     n = len(events)
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=3)
@@ -217,7 +207,7 @@ def test_three_kills_lose_nothing_and_score_nothing_twice(
 ):
     """SIGKILL at random points three times, restarting each time; full-score parity (unique terminals)."""
     cfg = service_cfg(max_poll_records=50)
-    events = transactions(big_frame)
+    events = transactions_from_frame(big_frame)
     n = len(events)
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=3)
     produce(kafka_bootstrap, cfg.topic("transactions"), messages(events))
