@@ -5,10 +5,10 @@ from pathlib import Path
 
 import mlflow
 import polars as pl
-from matplotlib.figure import Figure  # no pyplot: files only, no display or global state
 from sklearn.metrics import precision_recall_curve
 
 from pipeline.evaluation import DetectionMetrics
+from pipeline.report_plots import bar_plot, line_plot
 
 SCORES_ARTIFACT = "evaluation/test_scores.parquet"
 
@@ -27,28 +27,27 @@ def log_evaluation(scored: pl.DataFrame, metrics: DetectionMetrics, title: str) 
 def write_evaluation_plots(
     scored: pl.DataFrame, metrics: DetectionMetrics, title: str, out: Path
 ) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    fig = Figure(figsize=(5, 4))
-    ax = fig.subplots()
+    pr = {}
     if scored["is_fraud"].any():
         precision, recall, _ = precision_recall_curve(
             scored["is_fraud"].to_numpy(), scored["score"].to_numpy()
         )
-        ax.plot(recall, precision)
-    ax.set(xlabel="recall", ylabel="precision", title=f"{title}: PR curve (AP {metrics.ap:.3f})")
-    ax.grid(alpha=0.3)
-    paths.append(out / "pr_curve.png")
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-
-    fig = Figure(figsize=(5, 4))
-    ax = fig.subplots()
-    ax.bar(range(1, len(metrics.cp_per_day) + 1), metrics.cp_per_day)
-    ax.set(
-        xlabel="test day",
-        ylabel=f"CP@{metrics.k}",
-        title=f"{title}: CP@{metrics.k} per day (mean {metrics.cp_at_k:.3f})",
-    )
-    paths.append(out / "cp_at_k_per_day.png")
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    return paths
+        pr[title] = (recall, precision)
+    days = len(metrics.cp_per_day)
+    return [
+        line_plot(
+            pr,
+            xlabel="recall",
+            ylabel="precision",
+            title=f"{title}: PR curve (AP {metrics.ap:.3f})",
+            path=out / "pr_curve.png",
+        ),
+        bar_plot(
+            [str(d) for d in range(1, days + 1)],
+            metrics.cp_per_day,
+            xlabel="test day",
+            ylabel=f"CP@{metrics.k}",
+            title=f"{title}: CP@{metrics.k} per day (mean {metrics.cp_at_k:.3f})",
+            path=out / "cp_at_k_per_day.png",
+        ),
+    ]
