@@ -25,12 +25,7 @@ OVERRIDES = {"transformer": {"window_events": 8}}
 BATCH_EVENTS = 97  # not a divisor of anything: batches cut account histories at odd places
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

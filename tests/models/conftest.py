@@ -1,12 +1,8 @@
-"""Detector tests run many tiny ops one after another: one thread is faster and timings are steadier."""
+"""Every detector test runs on one torch thread (the fixture lives in tests/conftest.py)."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _detector_tests_on_one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(threads)
