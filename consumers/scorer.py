@@ -33,7 +33,7 @@ import torch
 from consumers.account_state import AccountRecord, decode_account_record, model_fingerprint
 from consumers.messages import Transaction
 from consumers.state_store import StateStore
-from models.contract import decode_account_state, encode_account_state
+from models.contract import decode_account_state, encode_state
 from pipeline.artifact import LoadedModel
 from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, replay_batches
 
@@ -321,23 +321,38 @@ class Scorer:
         held = self.store.partition
         return [account for account, row in self.store.slot_of.items() if held[row] == partition]
 
-    @torch.inference_mode()
     def account_state_bytes(self, account_id: str) -> bytes:
         """The account's whole serving state as one versioned record (account_state.AccountRecord)."""
-        row = self._row(account_id)
-        features = self.featurizer.accounts.get_bytes(account_id)
-        if features is None:  # in the store but never featurized: no events applied yet
-            self.featurizer.accounts.slots([account_id])
-            features = self.featurizer.accounts.get_bytes(account_id)
-        state = self.store.gather(np.array([row]))
-        return AccountRecord(
-            features=features,
-            detector=encode_account_state(self.detector, state),
-            model=self.model_fingerprint,
-            partition=int(self.store.partition[row]),
-            offset=int(self.store.offset[row]),
-            last_ts_us=int(self.store.last_ts_us[row]),
-        ).to_bytes()
+        return self.account_states_bytes([account_id])[0]
+
+    @torch.inference_mode()
+    def account_states_bytes(self, account_ids: Sequence[str]) -> list[bytes]:
+        """account_state_bytes of each account, with one gather and one encode for all of them.
+
+        The service writes a record per changed account per poll: one at a time, the gather and the
+        encode cost ~0.5 ms an account, more than scoring its event.
+        """
+        if not account_ids:
+            return []
+        rows = np.array([self._row(a) for a in account_ids], dtype=np.int64)
+        table = self.featurizer.accounts
+        missing = [a for a in account_ids if a not in table]
+        if missing:  # in the store but never featurized: no events applied yet
+            table.slots(missing)
+        features = table.records[[table.slot_of[a] for a in account_ids]]  # [N] structured records
+        detector = encode_state(self.detector, self.store.gather(rows))
+        store = self.store
+        return [
+            AccountRecord(
+                features=features[i].tobytes(),
+                detector=detector[i],
+                model=self.model_fingerprint,
+                partition=int(store.partition[row]),
+                offset=int(store.offset[row]),
+                last_ts_us=int(store.last_ts_us[row]),
+            ).to_bytes()
+            for i, row in enumerate(rows)
+        ]
 
     @torch.inference_mode()
     def restore_account(self, account_id: str, data: bytes) -> None:

@@ -141,12 +141,12 @@ def _seed_states(bootstrap: str, prefix: str, history: pl.DataFrame) -> int:
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
     partitions = sorted(producer.partitions_for(changelog))
     accounts = history["account_id"].unique().to_list()
-    for account in accounts:
+    for account, state in zip(accounts, scorer.account_states_bytes(accounts), strict=True):
         key = account.encode()
         producer.send(
             changelog,
             key=key,
-            value=scorer.account_state_bytes(account),
+            value=state,
             # Kafka's default partitioner, as the producer of `transactions` applies it to the same key.
             partition=partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)],
         )

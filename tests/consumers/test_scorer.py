@@ -96,6 +96,9 @@ def test_duplicate_delivery_changes_nothing(name, frame, spec):
     assert first[7].position == (0, 7)
     scorer.take_changed()
     before = {a: scorer.account_state_bytes(a) for a in scorer.accounts_in_memory}
+    # One gather and encode for all accounts gives each account's own record, in the order asked.
+    backwards = sorted(before, reverse=True)
+    assert scorer.account_states_bytes(backwards) == [before[a] for a in backwards]
 
     assert scorer.score(txs[:300], positions[:300]) == []  # the whole poll again, e.g. after a crash
     assert scorer.stats.duplicates_dropped == 300
@@ -157,8 +160,9 @@ def test_evicted_and_restored_account_scores_as_if_never_evicted(name, frame, sp
         for account in sorted(parked, reverse=True):
             evicting.restore_account(account, parked.pop(account))
         # Park a few accounts absent from the next batch; restore any that the next batch needs now.
-        for account in sorted(evicting.accounts_in_memory)[k::4][:3]:
-            parked[account] = evicting.account_state_bytes(account)
+        leaving = sorted(evicting.accounts_in_memory)[k::4][:3]
+        parked.update(zip(leaving, evicting.account_states_bytes(leaving), strict=True))
+        for account in leaving:
             evicting.evict(account)
             assert account not in evicting.accounts_in_memory
             if account in in_next:
