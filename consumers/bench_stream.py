@@ -64,8 +64,13 @@ def _raw_child(bootstrap: str, source: str, sink: str, count: int, max_poll_reco
     from kafka import KafkaConsumer, KafkaProducer
     from kafka.structs import OffsetAndMetadata
 
+    from consumers.service_config import ServeConfig
+
     producer = KafkaProducer(
-        bootstrap_servers=bootstrap, transactional_id=f"bench-raw-{uuid.uuid4().hex[:8]}"
+        bootstrap_servers=bootstrap,
+        transactional_id=f"bench-raw-{uuid.uuid4().hex[:8]}",
+        linger_ms=ServeConfig.producer_linger_ms,  # the service's producer settings: a fair ceiling
+        batch_size=ServeConfig.producer_batch_bytes,
     )
     producer.init_transactions()
     consumer = KafkaConsumer(

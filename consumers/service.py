@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError, ProducerFencedError
@@ -154,6 +155,8 @@ class _Service:
             bootstrap_servers=bootstrap,
             transactional_id=f"{cfg.transactional_id_prefix}-{uuid.uuid4().hex[:12]}",
             transaction_timeout_ms=cfg.transaction_timeout_ms,
+            linger_ms=cfg.producer_linger_ms,
+            batch_size=cfg.producer_batch_bytes,
             key_serializer=KEYS,
             **security,
         )
@@ -219,9 +222,10 @@ class _Service:
 
     def _process(self, batch: dict) -> None:
         cfg, producer = self.cfg, self.producer
+        started = time.monotonic()
         producer.begin_transaction()
         terminals = self._apply_labels()  # labels committed before this batch count for all its events
-        transactions, positions, offsets = [], [], {}
+        transactions, positions, offsets, created_ms = [], [], {}, []
         for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
             for record in batch[tp]:
                 offsets[tp] = OffsetAndMetadata(record.offset + 1, "", -1)
@@ -230,11 +234,14 @@ class _Service:
                         raise MessageError("null value (a tombstone): expected a JSON transaction")
                     transactions.append(decode_transaction(record.value))
                     positions.append((record.partition, record.offset))
+                    created_ms.append(record.timestamp)
                 except MessageError as error:
                     producer.send(cfg.topic("dead_letter"), key=record.key, value=_dead_letter(record, error))
                     self.stats.dead_lettered += 1
         dropped_before = self.scorer.stats.duplicates_dropped
+        decoded = time.monotonic()
         scores = self.scorer.score(transactions, positions)
+        scored = time.monotonic()
         partition_of = {}
         for s in scores:
             value = json.dumps(
@@ -263,8 +270,8 @@ class _Service:
             value = terminal_table.encode_positions(self.labels.topic, label_positions)
             producer.send(self.table, key=terminal_table.POSITIONS_KEY, value=value, partition=0)
         # Only now forget the changed set: should anything below fail, the abort path evicts and restores.
-        for account in self.scorer.take_changed():
-            state = self.scorer.account_state_bytes(account)
+        changed = sorted(self.scorer.take_changed())
+        for account, state in zip(changed, self.scorer.account_states_bytes(changed), strict=True):
             producer.send(self.changelog, key=account, value=state, partition=partition_of[account])
         # Commit order (one transaction, all or nothing):
         #   1. scores, alerts, dead letters and state records were sent above (buffered, maybe in flight);
@@ -272,8 +279,10 @@ class _Service:
         #      so a zombie from an older generation is fenced by the group coordinator (KIP-447);
         #   3. commit_transaction() flushes every pending record, then writes the commit markers; read_committed
         #      readers see all outputs and the new offsets at once, or (on abort or crash) none of them.
+        sent = time.monotonic()
         producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
         producer.commit_transaction()
+        committed_ms = time.time() * 1000.0
         self.label_positions = label_positions
         alerts = sum(s.alert for s in scores)
         self.stats.batches += 1
@@ -289,6 +298,28 @@ class _Service:
         )
         m.inc("txsentinel_duplicates_dropped_total", self.scorer.stats.duplicates_dropped - dropped_before)
         m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
+        m.set("txsentinel_consumer_lag", self._lag())
+        m.observe("txsentinel_batch_events", sum(len(r) for r in batch.values()))
+        m.observe("txsentinel_batch_seconds", time.monotonic() - started)
+        if scores:
+            created = dict(zip(positions, created_ms, strict=True))  # duplicates dropped: no score
+            waited_ms = committed_ms - np.fromiter((created[s.position] for s in scores), np.float64)
+            m.observe("txsentinel_latency_seconds", np.maximum(waited_ms, 0.0) / 1000.0)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "batch events=%d scored=%d decode_s=%.4f score_s=%.4f produce_s=%.4f commit_s=%.4f",
+                len(transactions), len(scores), decoded - started, scored - decoded, sent - scored,
+                time.monotonic() - sent,
+            )  # fmt: skip
+
+    def _lag(self) -> int:
+        """Records of the assigned partitions behind their high watermark (known from the last fetches)."""
+        lag = 0
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            if high is not None:
+                lag += max(high - self.consumer.position(tp), 0)
+        return lag
 
     def _abort_and_rewind(self, batch: dict) -> None:
         # The batch's outputs vanish with the transaction; its accounts in memory may be half-applied, so
@@ -324,7 +355,9 @@ class _Service:
         if labels:
             self.scorer.observe_labels(label_batch(labels))
             self.stats.labels_applied += len(labels)
-        # Label metrics would need new names in consumers/metrics.py; bad labels count as dead-lettered input.
+        # Counted now, inside the transaction: an aborted batch reads these labels again and counts them twice
+        # (a counter for operators, not an exactly-once figure).
+        self.metrics.inc("txsentinel_labels_applied_total", len(labels))
         self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
         return {label.terminal_id for label in labels if label.is_fraud}
 

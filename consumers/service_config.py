@@ -53,6 +53,11 @@ class ServeConfig:
     # How long the broker keeps a crashed instance's open transaction before aborting it; until then
     # read_committed readers of its output partitions (and the changelog restore) wait behind it.
     transaction_timeout_ms: int = 60_000
+    # The producer holds a batch's records until its commit flushes them: with linger below a batch's
+    # processing time, kafka-python ships many small requests (and wakes its sender thread per record
+    # batch), which on one core competes with scoring for the interpreter.
+    producer_linger_ms: int = 1_000
+    producer_batch_bytes: int = 1_048_576  # per partition; a batch's scores for one partition fit one
     restore_timeout_s: float = 300.0  # per assignment: reading the changelog partitions of new partitions
     threshold: float | None = None  # alert threshold on the probability; None: the model's own
     metrics_port: int = 0  # 0: no metrics endpoint
@@ -68,6 +73,7 @@ class ServeConfig:
             "poll_timeout_ms",
             "transaction_timeout_ms",
             "session_timeout_ms",
+            "producer_batch_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -75,6 +81,10 @@ class ServeConfig:
         if not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port < 65536:
             raise ValueError(
                 f"serve config: metrics_port = {self.metrics_port!r}, expected 0 (off) or a port"
+            )
+        if not isinstance(self.producer_linger_ms, int) or self.producer_linger_ms < 0:
+            raise ValueError(
+                f"serve config: producer_linger_ms = {self.producer_linger_ms!r}, expected an integer >= 0"
             )
         if self.restore_timeout_s <= 0:
             raise ValueError(f"serve config: restore_timeout_s = {self.restore_timeout_s!r}, expected > 0")
