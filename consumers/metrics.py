@@ -8,13 +8,17 @@ import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
-# name -> (type, help). Counters only grow; gauges are set.
+# name -> (type, help). Counters only grow; gauges are set; histograms count observations into HISTOGRAMS'
+# buckets (cumulative, as Prometheus expects) with their sum and count.
 METRICS = {
     "txsentinel_events_scored_total": ("counter", "Transactions scored (one score record each)."),
     "txsentinel_events_dead_lettered_total": ("counter", "Input messages sent to the dead-letter topic."),
     "txsentinel_alerts_total": ("counter", "Scores at or above the alert threshold."),
+    "txsentinel_labels_applied_total": ("counter", "Labels read from the labels topic and applied."),
     "txsentinel_batches_total": ("counter", "Polls processed and committed in one transaction each."),
     "txsentinel_duplicates_dropped_total": ("counter", "Redelivered events already applied (not rescored)."),
     "txsentinel_aborted_transactions_total": ("counter", "Transactions aborted (batch redelivered)."),
@@ -25,7 +29,49 @@ METRICS = {
     "txsentinel_restored_states_total": ("counter", "Account state records read from the changelog."),
     "txsentinel_states_in_memory": ("gauge", "Account states held in memory."),
     "txsentinel_assigned_partitions": ("gauge", "Transactions partitions assigned to this instance."),
+    "txsentinel_consumer_lag": (
+        "gauge",
+        "Records of the assigned transactions partitions not yet consumed (high watermark - position).",
+    ),
+    "txsentinel_batch_events": ("histogram", "Input records per poll (one batch, one transaction)."),
+    "txsentinel_batch_seconds": ("histogram", "Time from a poll's return to its transaction's commit."),
+    "txsentinel_latency_seconds": (
+        "histogram",
+        "End-to-end latency: the input record's timestamp to its score record's send.",
+    ),
 }
+HISTOGRAMS = {
+    "txsentinel_batch_events": (1, 10, 50, 100, 250, 500, 1000, 2000, 5000),
+    "txsentinel_batch_seconds": (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    "txsentinel_latency_seconds": (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+}
+
+
+class Histogram:
+    """Counts per upper bound `le` (non-cumulative here, made cumulative when rendered), sum and count."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = np.asarray(bounds, dtype=np.float64)
+        self.counts = np.zeros(len(bounds) + 1, dtype=np.int64)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, values: np.ndarray) -> None:
+        values = np.asarray(values, dtype=np.float64).reshape(-1)
+        # side="left": a value equal to a bound counts in that bound's bucket (le = less or equal)
+        self.counts += np.bincount(
+            np.searchsorted(self.bounds, values, side="left"), minlength=len(self.counts)
+        )
+        self.sum += float(values.sum())
+
+    def lines(self, name: str) -> list[str]:
+        cumulative = np.cumsum(self.counts)
+        out = [f'{name}_bucket{{le="{b:g}"}} {c}' for b, c in zip(self.bounds, cumulative[:-1], strict=True)]
+        return [
+            *out,
+            f'{name}_bucket{{le="+Inf"}} {cumulative[-1]}',
+            f"{name}_sum {self.sum:.17g}",
+            f"{name}_count {cumulative[-1]}",
+        ]
 
 
 class Metrics:
@@ -33,7 +79,8 @@ class Metrics:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._values = dict.fromkeys(METRICS, 0.0)
+        self._values = {name: 0.0 for name, (kind, _) in METRICS.items() if kind != "histogram"}
+        self._histograms = {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
 
     def inc(self, name: str, amount: float = 1.0) -> None:
         with self._lock:
@@ -43,16 +90,24 @@ class Metrics:
         with self._lock:
             self._values[name] = float(value)
 
+    def observe(self, name: str, values) -> None:
+        """Add one value, or an array of them, to histogram `name`."""
+        with self._lock:
+            self._histograms[name].observe(values)
+
     def get(self, name: str) -> float:
         with self._lock:
             return self._values[name]
 
     def render(self) -> str:
         with self._lock:
-            values = dict(self._values)
-        lines = []
-        for name, (kind, text) in METRICS.items():
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {values[name]:.17g}"]
+            lines = []
+            for name, (kind, text) in METRICS.items():
+                lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+                if kind == "histogram":
+                    lines += self._histograms[name].lines(name)
+                else:
+                    lines.append(f"{name} {self._values[name]:.17g}")
         return "\n".join(lines) + "\n"
 
 

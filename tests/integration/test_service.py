@@ -242,6 +242,10 @@ def test_bad_input_goes_to_dead_letter_with_its_reason_and_the_rest_is_scored(
     assert originals == {v for v in bad if v is not None}, "a dead letter lost the original bytes"
     assert f"txsentinel_events_dead_lettered_total {len(bad)}" in metrics
     assert f"txsentinel_events_scored_total {len(events)}" in metrics
+    # Every input record counted in a batch, every score's latency observed, nothing left behind.
+    assert f"txsentinel_batch_events_sum {len(messages)}" in metrics
+    assert f'txsentinel_latency_seconds_bucket{{le="+Inf"}} {len(events)}' in metrics
+    assert "txsentinel_consumer_lag 0\n" in metrics
 
 
 def test_a_restarted_service_resumes_from_committed_offsets_and_changelog_state(
