@@ -11,6 +11,8 @@ from consumers.messages import (
     decode_label,
     decode_transaction,
     encode_label,
+    encode_score,
+    encode_scores,
     encode_transaction,
     format_ts,
     parse_ts,
@@ -81,3 +83,28 @@ def test_label_needs_a_boolean_verdict():
     }
     with pytest.raises(MessageError, match="'is_fraud': expected true or false"):
         decode_label(json.dumps(data).encode())
+
+
+def test_fast_score_encoding_equals_the_json_dumps_reference_byte_for_byte():
+    from consumers.scorer import ScoreRecord
+
+    awkward_ids = ["plain", 'quote " and \\ backslash', "ünïcödé €", "tab\tnew\nline", "\x00nul"]
+    stamps = [946_684_800_000_000, 1_772_366_400_250_000, 4_102_444_799_999_999, 1_772_366_400_000_001]
+    scores = [0.0, 1.0, 1e-300, 0.1 + 0.2, 0.5, 0.999999999999]
+    records = [
+        ScoreRecord(
+            event_id=awkward_ids[i % len(awkward_ids)],
+            account_id=awkward_ids[(i + 2) % len(awkward_ids)],
+            ts_us=stamps[i % len(stamps)],
+            score=scores[i % len(scores)],
+            logit=0.0,
+            alert=i % 3 == 0,
+            out_of_order=i % 4 == 1,
+        )
+        for i in range(60)
+    ]
+    for version in ("3", 'models:/txsentinel@"champion"'):
+        fast = encode_scores(records, version)
+        assert fast == [encode_score(r, version) for r in records]
+        assert json.loads(fast[1])["ts"] == "2026-03-01T12:00:00.250000Z"
+    assert encode_scores([], "3") == []
