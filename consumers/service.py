@@ -134,6 +134,7 @@ class _Service:
         self.label_positions: dict[int, int] = {}  # the positions the committed terminal table reflects
         self.metrics_server = None
         self.consumer = self.producer = self.restorer = self.label_consumer = self.labels = None
+        self.co_partitioned = False  # scores and alerts have as many partitions as transactions
 
     def start(self, bootstrap: str) -> None:
         cfg = self.cfg
@@ -161,9 +162,14 @@ class _Service:
             **security,
         )
         self.producer.init_transactions()
+        counts = {}
         for name in ("scores", "alerts", "dead_letter", "changelog", "terminal_table"):
             # Metadata now, not on the first batch's first send to each topic (~0.3 s of latency there).
-            self.producer.partitions_for(cfg.topic(name))
+            counts[name] = len(self.producer.partitions_for(cfg.topic(name)))
+        # A score goes to the partition number of its input event when the counts match (topics the service
+        # creates always do): the key's partition under the default partitioner, without kafka-python's
+        # pure-Python murmur2 per record (~10 us of a ~40 us send).
+        self.co_partitioned = counts["scores"] == counts["alerts"] == self.partitions
         self.label_consumer = KafkaConsumer(
             bootstrap_servers=bootstrap,
             isolation_level="read_committed",
@@ -246,10 +252,12 @@ class _Service:
         scores = self.scorer.score(transactions, positions)
         scored = time.monotonic()
         partition_of = {}
+        scores_topic, alerts_topic = cfg.topic("scores"), cfg.topic("alerts")
         for s, value in zip(scores, encode_scores(scores, self.model_version), strict=True):
-            producer.send(cfg.topic("scores"), key=s.account_id, value=value)
+            partition = s.position[0] if self.co_partitioned else None
+            producer.send(scores_topic, key=s.account_id, value=value, partition=partition)
             if s.alert:
-                producer.send(cfg.topic("alerts"), key=s.account_id, value=value)
+                producer.send(alerts_topic, key=s.account_id, value=value, partition=partition)
             partition_of[s.account_id] = s.position[0]
         # Every terminal of the batch (applied or dropped as duplicate) and of its fraud labels: one record
         # each, to the table's one partition, with the label positions those records reflect.

@@ -29,6 +29,7 @@ import polars as pl
 import pytest
 import torch
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.partitioner.default import murmur2
 from kafka.structs import TopicPartition
 
 from consumers.broker import REPO_ROOT
@@ -240,6 +241,10 @@ def test_bad_input_goes_to_dead_letter_with_its_reason_and_the_rest_is_scored(
         assert d["source_topic"] == cfg.topic("transactions") and d["source_offset"] >= 0
     originals = {base64.b64decode(d["value_base64"]) for d in dead if d["value_base64"] is not None}
     assert originals == {v for v in bad if v is not None}, "a dead letter lost the original bytes"
+    # Scores are keyed by account and land where the default partitioner puts that key (3 partitions here).
+    for r in read_committed(kafka_bootstrap, cfg.topic("scores")):
+        assert r.key.decode() == json.loads(r.value)["account_id"]
+        assert r.partition == (murmur2(r.key) & 0x7FFFFFFF) % 3
     assert f"txsentinel_events_dead_lettered_total {len(bad)}" in metrics
     assert f"txsentinel_events_scored_total {len(events)}" in metrics
     # Every input record counted in a batch, every score's latency observed, nothing left behind.
