@@ -67,7 +67,7 @@ def _train(args: argparse.Namespace) -> int:
 def _promote(args: argparse.Namespace) -> int:
     from pipeline.tracking import promote
 
-    version = promote(args.alias, args.model_name, run_id=args.run, version=args.version)
+    version = promote(args.alias, args.model_name, run_id=args.run_id, version=args.version)
     print(f"{args.model_name}@{args.alias} -> version {version}")
     return 0
 
@@ -217,7 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("promote", help="point a registered-model alias (e.g. champion) at a version")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--run", default=None, help="the training run whose registered version to promote")
+    which.add_argument(
+        "--run",
+        dest="run_id",  # not "run": set_defaults(run=...) holds the command's function
+        default=None,
+        help="the training run whose registered version to promote",
+    )
     which.add_argument("--version", type=int, default=None, help="the model version to promote")
     p.add_argument("--alias", default="champion")
     p.add_argument("--model-name", default="txsentinel", help="registered model name (default txsentinel)")
