@@ -347,7 +347,7 @@ def run_demo(cfg: DemoConfig) -> int:
     print(f"total {time.perf_counter() - started:.0f} s")
     print(
         "\nnext:\n"
-        f"  mlflow ui --backend-store-uri {os.environ['MLFLOW_TRACKING_URI']}   runs, metrics, plots, models\n"
+        f"  .venv/bin/mlflow ui --backend-store-uri {os.environ['MLFLOW_TRACKING_URI']}   runs, metrics, plots, models\n"
         f"  {cfg.workdir / 'comparison'}                                  comparison table and plots\n"
         "  notebooks/backtest.ipynb, notebooks/model_comparison.ipynb\n"
         f"  topics {prefix}scores, {prefix}alerts, {prefix}dead-letter on {bootstrap}; service log "
