@@ -8,12 +8,14 @@ Each ends with a read_committed reader of `scores` that must see exactly one sco
 (<= 1e-5) to a single, uninterrupted Scorer run over the whole stream (the reference).
 
 Why full parity holds with several partitions and several instances: every event here gets its OWN terminal id
-(`T-<event_id>`). The terminal-risk table is instance-local and not persisted yet (known limitation, being fixed
-in consumers/service.py), so with shared terminals an account moved to another instance, or a restarted
-instance, would see different terminal counts. With one event per terminal every terminal feature is that of a
-never-seen terminal wherever and whenever the event is scored, so the scores depend on account state only, and
-the interleaving of accounts across partitions does not matter. These tests are therefore about account state
-(changelog restore, offsets, transactions), compared on the FULL score, not about the terminal table.
+(`T-<event_id>`). Terminal features count events across accounts, so they depend on the order in which
+events of different partitions are applied (a batch goes partition by partition, the reference in ts order),
+and with two instances each one counts only its own partitions' events (consumers/terminal_table.py). With
+one event per terminal every terminal feature is that of a never-seen terminal wherever and whenever the
+event is scored, so the scores depend on account state only. These tests are therefore about account state
+(changelog restore, offsets, transactions), compared on the FULL score; the terminal table's own restore is
+tested in test_service_labels.py, and order-exact parity on one partition in test_service.py and
+test_service_acceptance.py.
 """
 
 from __future__ import annotations
