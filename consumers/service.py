@@ -39,6 +39,7 @@ from kafka.serializer import DefaultSerializer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from consumers import terminal_table
+from consumers.batch_limit import BatchLimit
 from consumers.labels import LabelReader, label_batch
 from consumers.messages import MessageError, decode_transaction, encode_scores
 from consumers.metrics import Metrics, MetricsServer
@@ -125,6 +126,7 @@ class _Service:
         self.scorer = Scorer(model, cfg.threshold)
         self.model_version = str(model.meta.get("model_version", model.source or model.name))
         self.stats = ServeStats()
+        self.limit = BatchLimit(cfg.max_poll_records, cfg.max_poll_interval_ms)
         self.metrics = Metrics()
         self.fatal: BaseException | None = None  # raised in a rebalance callback, re-raised by run()
         self.assigned: set[int] = set()
@@ -204,15 +206,15 @@ class _Service:
     def run(self, stop: threading.Event) -> None:
         failures = 0
         while not stop.is_set():
-            batch = self.consumer.poll(
-                timeout_ms=self.cfg.poll_timeout_ms, max_records=self.cfg.max_poll_records
-            )
+            batch = self.consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.limit.records)
             if self.fatal is not None:
                 raise self.fatal
             if not batch:
                 continue
             try:
+                started = time.monotonic()
                 self._process(batch)
+                self.limit.observe(sum(len(r) for r in batch.values()), time.monotonic() - started)
                 failures = 0
             except ProducerFencedError:
                 raise RuntimeError(
