@@ -14,11 +14,13 @@ import base64
 import json
 import math
 import random
+import uuid
 
 import numpy as np
 import polars as pl
 import pytest
 import torch
+from kafka import KafkaAdminClient
 
 from consumers.messages import MAX_MESSAGE_BYTES, encode_transaction, transactions_from_frame
 from consumers.service_config import load_serve_config
@@ -95,12 +97,20 @@ def parallel_scores(model_dir: str, frame: pl.DataFrame) -> dict[str, float]:
     return out
 
 
-def test_20k_events_of_500_accounts_with_1000_bad_messages(kafka_bootstrap, frame, tmp_path):
+@pytest.fixture
+def cfg(kafka_bootstrap):
+    prefix = f"accept-{uuid.uuid4().hex[:8]}-"
+    overrides = {"topic_prefix": prefix, "group_id": prefix + "group", "poll_timeout_ms": 200}
+    yield load_serve_config(overrides=overrides, env={})
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
+    finally:
+        admin.close()
+
+
+def test_20k_events_of_500_accounts_with_1000_bad_messages(kafka_bootstrap, cfg, frame, tmp_path):
     model_dir = save_tiny_model(frame, 20, tmp_path / "model", "acceptance")
-    prefix = f"accept-{tmp_path.name[-8:]}-"
-    cfg = load_serve_config(
-        overrides={"topic_prefix": prefix, "group_id": prefix + "group", "poll_timeout_ms": 200}, env={}
-    )
     events = transactions_from_frame(frame)
     good = [(t.account_id, encode_transaction(t)) for t in events]
     bad = bad_messages(json.loads(good[0][1]), BAD)
