@@ -348,12 +348,18 @@ def run_stream_bench(
     }
 
 
-def build_default_model(name: str, out_dir: Path, seed: int = 0) -> str:
-    """An untrained detector at its default size with a feature spec fitted on generated data (for cost only)."""
+def build_default_model(name: str, out_dir: Path, seed: int = 0, alert_rate: float = 0.01) -> str:
+    """An untrained detector at its default size with a feature spec fitted on generated data (for cost only).
+
+    Its threshold is set so that `alert_rate` of the generated events alert, as a trained model's would be:
+    an untrained one's scores sit around 0.5, and at the default threshold it alerted on up to half the
+    events, an extra record per event that no real deployment writes.
+    """
     import torch
 
+    from consumers.scorer import Scorer
     from models.registry import build_detector
-    from pipeline.artifact import save_model_dir
+    from pipeline.artifact import LoadedModel, save_model_dir
     from pipeline.features import compute_features, fit_feature_spec
     from pipeline.generate import GenerateConfig, generate
 
@@ -364,7 +370,9 @@ def build_default_model(name: str, out_dir: Path, seed: int = 0) -> str:
     detector = build_detector(
         name, {"num_features": spec.num_features, "terminal_buckets": spec.terminal_buckets}
     )
-    return str(save_model_dir(out_dir / name, detector, spec, {"model_version": f"bench-{name}"}))
+    scores = Scorer(LoadedModel(detector=detector, spec=spec)).replay(frame)["score"]
+    meta = {"model_version": f"bench-{name}", "threshold": float(scores.quantile(1.0 - alert_rate))}
+    return str(save_model_dir(out_dir / name, detector, spec, meta))
 
 
 def format_table(results: dict[str, dict]) -> str:
