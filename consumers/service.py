@@ -40,6 +40,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from consumers import terminal_table
 from consumers.batch_limit import BatchLimit
+from consumers.compacted import read_latest
 from consumers.labels import LabelReader, label_batch
 from consumers.messages import MessageError, decode_transaction, encode_scores
 from consumers.metrics import Metrics, MetricsServer
@@ -402,30 +403,7 @@ class _Service:
         if not partitions:
             return
         started = time.monotonic()
-        tps = [TopicPartition(self.changelog, p) for p in partitions]
-        self.restorer.assign(tps)
-        self.restorer.seek_to_beginning(*tps)
-        # For read_committed the end offset is the last stable offset: an open transaction of a zombie delays
-        # the restore until the broker aborts it (transaction.timeout.ms), never lets its records in.
-        end = self.restorer.end_offsets(tps)
-        latest: dict[str, bytes | None] = {}
-        read, next_log = 0, started + 5.0
-        while any(self.restorer.position(tp) < end[tp] for tp in tps):
-            now = time.monotonic()
-            if now - started > self.cfg.restore_timeout_s:
-                left = {tp.partition: end[tp] - self.restorer.position(tp) for tp in tps}
-                raise TimeoutError(
-                    f"restoring {self.changelog!r} partitions {partitions} took over {self.cfg.restore_timeout_s}"
-                    f" s with {left} records left; raise restore_timeout_s or check the broker"
-                )
-            if now >= next_log:
-                log.info("restore progress partitions=%s records=%d end=%s", partitions, read, end)
-                next_log = now + 5.0
-            for records in self.restorer.poll(timeout_ms=200).values():
-                for record in records:
-                    latest[KEYS.deserialize(None, None, record.key)] = record.value  # last record wins
-                    read += 1
-        self.restorer.unsubscribe()
+        latest, read = read_latest(self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s)
         restored = 0
         for account, value in latest.items():
             if value is None:

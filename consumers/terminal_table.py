@@ -30,8 +30,8 @@ import struct
 import time
 
 from kafka import KafkaConsumer
-from kafka.structs import TopicPartition
 
+from consumers.compacted import read_latest
 from pipeline.features.definitions import FEATURE_VERSION
 from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable
 from pipeline.features.stream import StreamingFeaturizer
@@ -101,22 +101,7 @@ def restore_table(
     afterwards. Raises TimeoutError past `timeout_s`.
     """
     started = time.monotonic()
-    tps = [TopicPartition(topic, p) for p in range(TABLE_PARTITIONS)]
-    reader.assign(tps)
-    reader.seek_to_beginning(*tps)
-    end = reader.end_offsets(tps)  # read_committed: the last stable offset
-    latest: dict[str, bytes | None] = {}
-    while any(reader.position(tp) < end[tp] for tp in tps):
-        if time.monotonic() - started > timeout_s:
-            left = {tp.partition: end[tp] - reader.position(tp) for tp in tps}
-            raise TimeoutError(
-                f"restoring terminal table {topic!r} took over {timeout_s} s with {left} records left; raise "
-                "restore_timeout_s or check the broker"
-            )
-        for records in reader.poll(timeout_ms=200).values():
-            for record in records:
-                latest[record.key.decode()] = record.value  # last record per key wins
-    reader.unsubscribe()
+    latest, _ = read_latest(reader, topic, list(range(TABLE_PARTITIONS)), timeout_s)
     positions_value = latest.pop(POSITIONS_KEY, None)
     table = StateTable(TERMINAL_STATE)
     for terminal, value in latest.items():

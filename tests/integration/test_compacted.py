@@ -1,0 +1,62 @@
+"""Reading a compacted state topic back (consumers/compacted.py) against the real broker."""
+
+import uuid
+
+import pytest
+from kafka import KafkaConsumer, KafkaProducer
+
+from consumers.compacted import read_latest
+
+pytestmark = [pytest.mark.kafka]
+
+
+def reader(bootstrap: str) -> KafkaConsumer:
+    return KafkaConsumer(
+        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
+    )
+
+
+def test_last_value_per_key_wins_tombstones_read_as_none_and_aborted_records_never_count(
+    kafka_bootstrap, topic_factory
+):
+    topic = topic_factory("compacted", partitions=2)
+    plain = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    for key, value, partition in [
+        ("a", b"a1", 0), ("b", b"b1", 1), ("a", b"a2", 0), ("c", b"c1", 1), ("c", None, 1),
+    ]:  # fmt: skip
+        plain.send(topic, key=key.encode(), value=value, partition=partition)
+    plain.flush()
+    plain.close()
+    zombie = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"t-{uuid.uuid4().hex[:8]}")
+    zombie.init_transactions()
+    zombie.begin_transaction()
+    zombie.send(topic, key=b"b", value=b"b-aborted", partition=1)
+    zombie.flush()
+    zombie.abort_transaction()
+    zombie.close()
+
+    consumer = reader(kafka_bootstrap)
+    try:
+        latest, read = read_latest(consumer, topic, [0, 1], timeout_s=30)
+        assert latest == {"a": b"a2", "b": b"b1", "c": None}
+        assert read == 5
+        assert consumer.assignment() == set()  # unassigned afterwards, ready for the next restore
+        only_0, _ = read_latest(consumer, topic, [0], timeout_s=30)
+        assert only_0 == {"a": b"a2"}
+    finally:
+        consumer.close()
+
+
+def test_a_keyless_record_is_refused_naming_where_it_is(kafka_bootstrap, topic_factory):
+    topic = topic_factory("compacted")
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    producer.send(topic, key=b"a", value=b"1", partition=0)
+    producer.send(topic, value=b"stray", partition=0)
+    producer.flush()
+    producer.close()
+    consumer = reader(kafka_bootstrap)
+    try:
+        with pytest.raises(ValueError, match=r"partition 0 offset 1 has no key"):
+            read_latest(consumer, topic, [0], timeout_s=30)
+    finally:
+        consumer.close()
