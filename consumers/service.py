@@ -138,6 +138,7 @@ class _Service:
         self.metrics_server = None
         self.consumer = self.producer = self.restorer = self.label_consumer = self.labels = None
         self.co_partitioned = False  # scores and alerts have as many partitions as transactions
+        self.rebalance_callbacks = 0  # revocations and assignments seen: _top_up checks for one in between
 
     def start(self, bootstrap: str) -> None:
         cfg = self.cfg
@@ -212,6 +213,11 @@ class _Service:
                 raise self.fatal
             if not batch:
                 continue
+            batch = self._top_up(batch)
+            if self.fatal is not None:
+                raise self.fatal
+            if not batch:
+                continue  # a rebalance came in between: dropped, rewound, fetched again
             try:
                 started = time.monotonic()
                 self._process(batch)
@@ -231,6 +237,33 @@ class _Service:
                     raise RuntimeError(
                         f"{failures} batches in a row failed (last: {error!r}); stopping rather than loop"
                     ) from error
+
+    def _top_up(self, batch: dict) -> dict:
+        """The batch plus what arrived while the previous batch was processed (one short poll more).
+
+        kafka-python hands out the response of the fetch it sent when the previous batch began, so by now
+        those records are a batch cycle old, and whatever arrived since waits for the fetch this poll just
+        sent: an event waited one to two cycles. Waiting `fresh_fetch_ms` for that fetch takes the new
+        records into this batch, and an event waits about half a cycle. Skipped when the batch is full.
+
+        A rebalance inside that poll drops the batch (nothing of it is applied yet): kept partitions are
+        sought back to its first records, revoked ones are no longer ours.
+        """
+        room = self.limit.records - sum(len(r) for r in batch.values())
+        if not self.cfg.fresh_fetch_ms or room <= 0:
+            return batch
+        rebalances = self.rebalance_callbacks
+        more = self.consumer.poll(timeout_ms=self.cfg.fresh_fetch_ms, max_records=room)
+        if self.rebalance_callbacks != rebalances:
+            assigned = self.consumer.assignment()
+            for tp, records in batch.items():
+                if tp in assigned:
+                    self.consumer.seek(tp, records[0].offset)
+            log.info("batch dropped: a rebalance came in while topping it up; it is fetched again")
+            return {}
+        for tp, records in more.items():
+            batch[tp] = [*batch.get(tp, ()), *records]
+        return batch
 
     def _process(self, batch: dict) -> None:
         cfg, producer = self.cfg, self.producer
@@ -373,6 +406,7 @@ class _Service:
 
     # -- rebalance ---------------------------------------------------------------------------------------
     def on_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        self.rebalance_callbacks += 1
         partitions = sorted(tp.partition for tp in revoked if tp.topic == self.topic)
         evicted = 0
         for p in partitions:
@@ -388,6 +422,7 @@ class _Service:
         log.info("partitions revoked partitions=%s evicted_states=%d", partitions, evicted)
 
     def on_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        self.rebalance_callbacks += 1
         partitions = sorted(tp.partition for tp in assigned if tp.topic == self.topic)
         log.info("partitions assigned partitions=%s", partitions)
         try:

@@ -46,6 +46,9 @@ class ServeConfig:
     # A batch is one poll: its processing must stay well inside max_poll_interval_ms (see DESIGN.md).
     max_poll_records: int = 500
     poll_timeout_ms: int = 500
+    # After a poll, wait up to this long for the fetch it pipelined, so records that arrived during the last
+    # batch join this one instead of the next (see service._top_up); 0 turns it off.
+    fresh_fetch_ms: int = 5
     max_poll_interval_ms: int = 300_000
     # How long the group waits for a silent (crashed) member before moving its partitions elsewhere.
     session_timeout_ms: int = 45_000
@@ -82,10 +85,10 @@ class ServeConfig:
             raise ValueError(
                 f"serve config: metrics_port = {self.metrics_port!r}, expected 0 (off) or a port"
             )
-        if not isinstance(self.producer_linger_ms, int) or self.producer_linger_ms < 0:
-            raise ValueError(
-                f"serve config: producer_linger_ms = {self.producer_linger_ms!r}, expected an integer >= 0"
-            )
+        for name in ("producer_linger_ms", "fresh_fetch_ms"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"serve config: {name} = {value!r}, expected an integer >= 0")
         if self.restore_timeout_s <= 0:
             raise ValueError(f"serve config: restore_timeout_s = {self.restore_timeout_s!r}, expected > 0")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
