@@ -209,15 +209,12 @@ class _Service:
         failures = 0
         while not stop.is_set():
             batch = self.consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.limit.records)
+            if batch:
+                batch = self._top_up(batch)  # {} when a rebalance came in between: fetched again later
             if self.fatal is not None:
-                raise self.fatal
+                raise self.fatal  # from a rebalance callback inside either poll
             if not batch:
                 continue
-            batch = self._top_up(batch)
-            if self.fatal is not None:
-                raise self.fatal
-            if not batch:
-                continue  # a rebalance came in between: dropped, rewound, fetched again
             try:
                 started = time.monotonic()
                 self._process(batch)
