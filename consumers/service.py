@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, ProducerFencedError
+from kafka.errors import CommitFailedError, KafkaError, ProducerFencedError
 from kafka.serializer import DefaultSerializer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
@@ -195,10 +195,7 @@ class _Service:
             client_id="txsentinel-serve",
             **security,
         )
-        self.consumer.subscribe([self.topic], listener=_Listener(self))
-        # kafka-python 3.0.12: without the topic's metadata before the first poll, the member can end up
-        # in a stable group with no partitions (lost rejoin); see tests/integration/test_kafka_broker.py.
-        self.consumer.partitions_for_topic(self.topic)
+        self._subscribe()
         log.info(
             "serve started topic=%s partitions=%d group=%s model=%s threshold=%.4f",
             self.topic, self.partitions, cfg.group_id, self.model_version, self.scorer.threshold,
@@ -224,6 +221,18 @@ class _Service:
                 raise RuntimeError(
                     "this instance's producer was fenced: a newer instance owns its partitions; stopping"
                 ) from None
+            except CommitFailedError as error:
+                # The group no longer knows this member or its generation (a broker restart, a session
+                # timeout, a rebalance it missed), so the offsets could not join the transaction and nothing
+                # of the batch committed. Not a failed batch: abort, then join again as a new member, which
+                # restores its partitions' states when they are assigned.
+                self.stats.aborted_batches += 1
+                self.metrics.inc("txsentinel_aborted_transactions_total")
+                log.warning(
+                    "batch aborted: the group has moved on without this member (%r); rejoining", error
+                )
+                self._abort_and_rewind(batch)
+                self._rejoin()
             except Exception as error:  # abort, rewind, restore: the batch is redelivered
                 failures += 1
                 self.stats.aborted_batches += 1
@@ -234,6 +243,22 @@ class _Service:
                     raise RuntimeError(
                         f"{failures} batches in a row failed (last: {error!r}); stopping rather than loop"
                     ) from error
+
+    def _rejoin(self) -> None:
+        """Drop this member's partitions and subscribe afresh: the next poll joins the group anew.
+
+        Waiting does not do it: until a heartbeat learns that the member is unknown, every poll hands out
+        records whose offsets cannot commit (kafka-python has no call that forces a rejoin).
+        """
+        self.on_revoked([TopicPartition(self.topic, p) for p in sorted(self.assigned)])
+        self.consumer.unsubscribe()
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        self.consumer.subscribe([self.topic], listener=_Listener(self))
+        # kafka-python 3.0.12: without the topic's metadata before the first poll, the member can end up
+        # in a stable group with no partitions (lost rejoin); see tests/integration/test_kafka_broker.py.
+        self.consumer.partitions_for_topic(self.topic)
 
     def _top_up(self, batch: dict) -> dict:
         """The batch plus what arrived while the previous batch was processed (one short poll more).

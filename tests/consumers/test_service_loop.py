@@ -1,9 +1,12 @@
-"""service._top_up: the records that arrived during the last batch join this one, and a rebalance in between
-drops the batch and rewinds, so nothing is skipped. The consumer is a scripted stand-in: what is under test
-is the service's bookkeeping around poll(), not Kafka (the integration tests run the real broker)."""
+"""The service's bookkeeping around poll(): _top_up takes the records that arrived during the last batch
+into this one, and a rebalance in between drops the batch and rewinds, so nothing is skipped; a commit the
+group refuses makes the member rejoin instead of counting as a failed batch. The consumer is a scripted
+stand-in: what is under test is the service's side, not Kafka (the integration tests run the real broker)."""
 
+import threading
 from collections import namedtuple
 
+from kafka.errors import CommitFailedError
 from kafka.structs import TopicPartition
 
 from consumers.service import _Service
@@ -75,3 +78,45 @@ def test_a_rebalance_in_between_drops_the_batch_and_rewinds_the_kept_partitions(
     service, consumer = make_service([({P0: records(0, 12)}, P1)])
     assert service._top_up({P0: records(0, 10, 11), P1: records(1, 5, 6)}) == {}
     assert consumer.sought == {P0: 10}  # kept: fetched again from its first record; P1 is another's now
+
+
+class RejoiningConsumer(ScriptedConsumer):
+    """Also records unsubscribe/subscribe, the public calls a rejoin is made of."""
+
+    def __init__(self, service, polls):
+        super().__init__(service, polls)
+        self.calls = []
+
+    def unsubscribe(self):
+        self.calls.append("unsubscribe")
+
+    def subscribe(self, topics, listener):
+        self.calls.append("subscribe")
+
+    def partitions_for_topic(self, topic):
+        return {0, 1}
+
+
+def test_a_commit_the_group_refuses_rejoins_instead_of_counting_as_a_failure(monkeypatch):
+    service, _ = make_service([], fresh_fetch_ms=0)  # one poll a batch: the script is the batches
+    polls = [({P0: records(0, i)}, None) for i in range(5)]
+    consumer = service.consumer = RejoiningConsumer(service, polls)
+    service.assigned = {0, 1}
+    outcomes = [CommitFailedError("UnknownMemberIdError")] * 4 + [None]  # more than MAX_FAILED_BATCHES
+    processed, rewound = [], []
+
+    def process(batch):
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        processed.append(batch)
+        stop.set()
+
+    stop = threading.Event()
+    monkeypatch.setattr(service, "_process", process)
+    monkeypatch.setattr(service, "_abort_and_rewind", lambda batch: rewound.append(batch))
+    service.run(stop)  # returns once the fifth batch commits: four refusals did not stop the service
+    assert processed == [{P0: records(0, 4)}]
+    assert len(rewound) == 4 and service.stats.aborted_batches == 4
+    assert consumer.calls == ["unsubscribe", "subscribe"] * 4
+    assert service.assigned == set()  # its partitions were dropped; the next join hands some back
