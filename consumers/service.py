@@ -22,6 +22,7 @@ produced with the scores: exact for one instance; with several, terminal counts 
 """
 
 import base64
+import gc
 import json
 import logging
 import signal
@@ -87,8 +88,14 @@ def serve(
     previous = _install_signal_handlers(stop)
     try:
         service.start(bootstrap)
+        # torch, polars, MLflow and the model leave ~350k long-lived objects, and a full collection walks
+        # them all: 0.18 s, in the middle of a batch. Frozen, they are left out of every later collection
+        # (at 2,000 events/s, p99 latency after the start: 108-110 ms frozen, 115-127 ms not).
+        gc.collect()
+        gc.freeze()
         service.run(stop)
     finally:
+        gc.unfreeze()  # serve() may be a library call (tests, the demo): leave the collector as it was
         service.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
