@@ -23,6 +23,8 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import polars as pl
@@ -36,7 +38,7 @@ from consumers.broker import REPO_ROOT
 from consumers.messages import Transaction, encode_transaction, transactions_from_frame
 from consumers.scorer import Scorer
 from consumers.service import serve
-from consumers.service_config import load_serve_config
+from consumers.service_config import ServeConfig, load_serve_config
 from models.registry import build_detector
 from pipeline.artifact import load_model, save_model_dir
 from pipeline.features import compute_features, fit_feature_spec
@@ -68,18 +70,27 @@ def model_dir(tmp_path_factory, frame):
     return save_tiny_model(frame, 8, tmp_path_factory.mktemp("model"), "test-1")
 
 
+@contextmanager
+def prefixed_configs(bootstrap: str, tag: str, **defaults) -> Iterator[Callable[..., ServeConfig]]:
+    """`make(**settings) -> ServeConfig` with a unique topic prefix and group (`defaults` < `settings`);
+    every topic with that prefix is deleted afterwards. A failed clean-up does not hide the test's result."""
+    prefix = f"{tag}-{uuid.uuid4().hex[:8]}-"
+    overrides = {"topic_prefix": prefix, "group_id": f"{prefix}group", **defaults}
+    yield lambda **more: load_serve_config(overrides={**overrides, **more}, env={})
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+        try:
+            admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
+        finally:
+            admin.close()
+    except Exception as error:  # clean-up only
+        print(f"could not delete topics {prefix}*: {error!r}")
+
+
 @pytest.fixture
 def service_cfg(kafka_bootstrap):
-    """A config with a unique topic prefix and group; every topic with that prefix is deleted afterwards."""
-    prefix = f"svc-{uuid.uuid4().hex[:8]}-"
-    overrides = {"topic_prefix": prefix, "group_id": f"{prefix}group", "max_poll_records": 40}
-    overrides["poll_timeout_ms"] = 200
-    yield lambda **more: load_serve_config(overrides={**overrides, **more}, env={})
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    try:
-        admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
-    finally:
-        admin.close()
+    with prefixed_configs(kafka_bootstrap, "svc", max_poll_records=40, poll_timeout_ms=200) as make:
+        yield make
 
 
 def create_topic(bootstrap: str, name: str, partitions: int) -> None:

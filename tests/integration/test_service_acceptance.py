@@ -14,16 +14,13 @@ import base64
 import json
 import math
 import random
-import uuid
 
 import numpy as np
 import polars as pl
 import pytest
 import torch
-from kafka import KafkaAdminClient
 
 from consumers.messages import MAX_MESSAGE_BYTES, encode_transaction, transactions_from_frame
-from consumers.service_config import load_serve_config
 from pipeline.artifact import load_model
 from pipeline.features import TERMINAL_BUCKET_COLUMN, compute_features
 from pipeline.generate import GenerateConfig, generate
@@ -31,6 +28,7 @@ from tests.integration.test_service import (
     Running,
     assert_exactly_once,
     create_topic,
+    prefixed_configs,
     produce,
     read_committed,
     save_tiny_model,
@@ -99,14 +97,8 @@ def parallel_scores(model_dir: str, frame: pl.DataFrame) -> dict[str, float]:
 
 @pytest.fixture
 def cfg(kafka_bootstrap):
-    prefix = f"accept-{uuid.uuid4().hex[:8]}-"
-    overrides = {"topic_prefix": prefix, "group_id": prefix + "group", "poll_timeout_ms": 200}
-    yield load_serve_config(overrides=overrides, env={})
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    try:
-        admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
-    finally:
-        admin.close()
+    with prefixed_configs(kafka_bootstrap, "accept", poll_timeout_ms=200) as make:
+        yield make()
 
 
 def test_20k_events_of_500_accounts_with_1000_bad_messages(kafka_bootstrap, cfg, frame, tmp_path):

@@ -28,7 +28,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import polars as pl
 import pytest
@@ -37,7 +36,6 @@ from kafka import KafkaAdminClient
 from consumers.broker import REPO_ROOT
 from consumers.messages import Transaction, encode_transaction, transactions_from_frame
 from consumers.scorer import Scorer
-from consumers.service_config import load_serve_config
 from pipeline.artifact import load_model
 from pipeline.generate import GenerateConfig, generate
 from tests.integration.test_service import (
@@ -46,6 +44,7 @@ from tests.integration.test_service import (
     assert_exactly_once,
     assert_same_scores,
     create_topic,
+    prefixed_configs,
     produce,
     read_committed,
     save_tiny_model,
@@ -80,17 +79,8 @@ def model_dir(tmp_path_factory, frame):
 
 @pytest.fixture
 def service_cfg(kafka_bootstrap):
-    prefix = f"res-{uuid.uuid4().hex[:8]}-"
-    overrides = {"topic_prefix": prefix, "group_id": f"{prefix}group", **FAST}
-    yield lambda **more: load_serve_config(overrides={**overrides, **more}, env={})
-    try:
-        admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-        try:
-            admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
-        finally:
-            admin.close()
-    except Exception:  # cleanup must not hide the test's result
-        pass
+    with prefixed_configs(kafka_bootstrap, "res", **FAST) as make:
+        yield make
 
 
 def messages(events: list[Transaction]) -> list[tuple[str, bytes]]:
