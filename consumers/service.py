@@ -220,9 +220,7 @@ class _Service:
             if not batch:
                 continue
             try:
-                started = time.monotonic()
                 self._process(batch)
-                self.limit.observe(sum(len(r) for r in batch.values()), time.monotonic() - started)
                 failures = 0
             except ProducerFencedError:
                 raise RuntimeError(
@@ -347,6 +345,8 @@ class _Service:
         producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
         producer.commit_transaction()
         committed_ms = time.time() * 1000.0
+        seconds = time.monotonic() - started
+        records = sum(len(r) for r in batch.values())
         self.label_positions = label_positions
         alerts = sum(s.alert for s in scores)
         self.stats.batches += 1
@@ -357,14 +357,13 @@ class _Service:
         m.inc("txsentinel_batches_total")
         m.inc("txsentinel_events_scored_total", len(scores))
         m.inc("txsentinel_alerts_total", alerts)
-        m.inc(
-            "txsentinel_events_dead_lettered_total", sum(len(r) for r in batch.values()) - len(transactions)
-        )
+        m.inc("txsentinel_events_dead_lettered_total", records - len(transactions))
         m.inc("txsentinel_duplicates_dropped_total", self.scorer.stats.duplicates_dropped - dropped_before)
         m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         m.set("txsentinel_consumer_lag", self._lag())
-        m.observe("txsentinel_batch_events", sum(len(r) for r in batch.values()))
-        m.observe("txsentinel_batch_seconds", time.monotonic() - started)
+        m.observe("txsentinel_batch_events", records)
+        m.observe("txsentinel_batch_seconds", seconds)
+        self.limit.observe(records, seconds)  # the next poll's size follows the measured cost
         if scores:
             created = dict(zip(positions, created_ms, strict=True))  # duplicates dropped: no score
             waited_ms = committed_ms - np.fromiter((created[s.position] for s in scores), np.float64)
