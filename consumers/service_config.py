@@ -69,26 +69,24 @@ class ServeConfig:
     security: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     def __post_init__(self):
-        for name in (
-            "transactions_partitions",
-            "replication_factor",
-            "max_poll_records",
-            "poll_timeout_ms",
-            "transaction_timeout_ms",
-            "session_timeout_ms",
-            "producer_batch_bytes",
+        for name, least in (
+            ("transactions_partitions", 1),
+            ("replication_factor", 1),
+            ("max_poll_records", 1),
+            ("poll_timeout_ms", 1),
+            ("transaction_timeout_ms", 1),
+            ("session_timeout_ms", 1),
+            ("producer_batch_bytes", 1),
+            ("producer_linger_ms", 0),
+            ("fresh_fetch_ms", 0),  # 0: off
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"serve config: {name} = {value!r}, expected an integer >= 1")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"serve config: {name} = {value!r}, expected an integer >= {least}")
         if not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port < 65536:
             raise ValueError(
                 f"serve config: metrics_port = {self.metrics_port!r}, expected 0 (off) or a port"
             )
-        for name in ("producer_linger_ms", "fresh_fetch_ms"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"serve config: {name} = {value!r}, expected an integer >= 0")
         if self.restore_timeout_s <= 0:
             raise ValueError(f"serve config: restore_timeout_s = {self.restore_timeout_s!r}, expected > 0")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
