@@ -20,10 +20,15 @@ def make_detector(
     return build_detector(name, config).to(dtype).eval()
 
 
+def generator(seed: int) -> torch.Generator:
+    """A seeded generator on the device the tests run on (see tests/models/conftest.py)."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def make_events(detector: RecurrentDetector, batch: int, events: int, seed: int = 0) -> Tensor:
     """Valid random events [B, T, F] in the detector's dtype: normal features, then a terminal bucket."""
     config = detector.config
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     numeric = torch.randn(batch, events, config.num_features, generator=g, dtype=torch.float64)
     bucket = torch.randint(0, config.terminal_buckets, (batch, events, 1), generator=g).double()
     return torch.cat([numeric, bucket], -1).to(next(detector.parameters()).dtype)

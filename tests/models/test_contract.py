@@ -19,6 +19,7 @@ from tests.models.helpers import (
     TRAIN_CHUNK_EVENTS,
     clone_state,
     forward_in_chunks,
+    generator,
     make_detector,
     make_events,
     max_score_diff,
@@ -224,7 +225,7 @@ def test_forward_under_bf16_autocast_is_finite(name):
     detector = make_detector(name, torch.float32)
     x = make_events(detector, 2, 200, seed=12)
     x[:, ::3, :-1] = -1e9  # drives activations, and so phi's inputs, far negative
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
         scores, state = detector(x)
     assert all(torch.isfinite(t.float()).all() for t in [scores, *state.values()])
     assert all(v.dtype in (torch.float32, torch.int64) for v in state.values()), "serving state is float32+"
@@ -235,7 +236,7 @@ def test_gradients_flow_through_chunked_training(name, detach):
     detector = make_detector(name).train()
     lengths = torch.tensor([48, 30])
     x = make_events(detector, 2, 48, seed=13).requires_grad_()
-    target = (torch.rand(2, 48, generator=torch.Generator().manual_seed(14)) < 0.3).double()
+    target = (torch.rand(2, 48, generator=generator(14)) < 0.3).double()
     mask = (torch.arange(48)[None, :] < lengths[:, None]).double()
 
     def loss_of(scores, start=0):  # masked BCE over events start .. scores.shape[1]

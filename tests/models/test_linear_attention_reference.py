@@ -5,10 +5,11 @@ import torch
 
 from models.linear_attention_naive import linear_attention_naive, phi_naive
 from models.linear_transformer import PHI_FLOOR, causal_linear_attention, linear_attention_step, phi
+from tests.models.helpers import generator
 
 
 def qkv(batch, heads, events, dim, seed, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     return [
         torch.randn(batch, heads, events, dim, generator=g, dtype=torch.float64).to(dtype) for _ in range(3)
     ]
