@@ -30,16 +30,26 @@ class EventEncoder(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         numeric = x[..., :-1].clamp(-self.clip, self.clip)
         bucket = x[..., -1].long()
+        if bucket.device.type != "cpu" and self._out_of_range(bucket).any():
+            # On CUDA an out-of-range index is a device-side assert that poisons the whole CUDA context, so
+            # it is checked first (one reduction and a sync); on CPU the lookup itself raises, at no cost.
+            raise self._bad_bucket(bucket)
         try:
             terminal = self.terminal(bucket)
-        except IndexError:  # CPU; on CUDA an out-of-range index is a device-side assert instead
-            bad = bucket[(bucket < 0) | (bucket >= self.buckets)][0].item()
-            raise ValueError(
-                f"terminal bucket index {bad} is outside [0, {self.buckets}): the last input column must hold "
-                "the terminal bucket (pipeline.features TERMINAL_BUCKET_COLUMN) as an integer, and the model "
-                "must be built with the feature spec's number of buckets (config.terminal_buckets)"
-            ) from None
+        except IndexError:
+            raise self._bad_bucket(bucket) from None
         return self.norm(self.numeric(numeric) + terminal)
+
+    def _out_of_range(self, bucket: Tensor) -> Tensor:
+        return (bucket < 0) | (bucket >= self.buckets)
+
+    def _bad_bucket(self, bucket: Tensor) -> ValueError:
+        bad = bucket[self._out_of_range(bucket)][0].item()
+        return ValueError(
+            f"terminal bucket index {bad} is outside [0, {self.buckets}): the last input column must hold "
+            "the terminal bucket (pipeline.features TERMINAL_BUCKET_COLUMN) as an integer, and the model "
+            "must be built with the feature spec's number of buckets (config.terminal_buckets)"
+        )
 
 
 class ScoreHead(nn.Module):

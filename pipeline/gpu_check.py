@@ -1,7 +1,8 @@
 """The GPU path, checked and timed: `scripts/gpu_check.sh` (or `python -m pipeline.gpu_check`).
 
 For every registered detector at its default size, on the GPU:
-- serving == training in float32 (step-by-step vs forward, chunked-with-state vs whole), max |diff|;
+- serving == training in float32 (step-by-step vs forward, chunked-with-state vs whole), max |diff|, with
+  TF32 off; and step vs forward again under torch's defaults, where cuDNN may use TF32 (LSTM forward);
 - bf16 autocast forward vs float32 forward, max |diff| of the logits;
 - training with the real LightningModule and data module (bf16-mixed, chunks with the state carried):
   sequences/s (account chunks) and events/s;
@@ -13,6 +14,7 @@ small, which is how the test suite keeps it from rotting.
 
 import argparse
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -32,28 +34,51 @@ def _events(detector: RecurrentDetector, batch: int, events: int, device: str, s
     return torch.cat([numeric, bucket], -1).to(device)
 
 
-@torch.inference_mode()
-def parity(detector: RecurrentDetector, device: str, events: int) -> tuple[float, float, float]:
-    """(step vs forward, chunked vs whole, bf16 vs float32) max |logit difference| on [8, events]."""
-    x = _events(detector, 8, events, device)
+@contextmanager
+def tf32(allowed: bool):
+    """cuDNN's and cuBLAS's TF32 switches for the block (torch's defaults: cuDNN on, cuBLAS off)."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def step_vs_forward(detector: RecurrentDetector, x: torch.Tensor) -> float:
     whole, _ = detector(x)
-    state = detector.init_state(8)
+    state = detector.init_state(x.shape[0])
     stepped = []
-    for t in range(events):
+    for t in range(x.shape[1]):
         score, state = detector.step(x[:, t], state)
         stepped.append(score)
-    step_error = float((whole - torch.stack(stepped, 1)).abs().max())
-    state, chunks = None, []
-    for start in range(0, events, 256):
-        scores, state = detector(x[:, start : start + 256], state)
-        chunks.append(scores)
-    chunk_error = float((whole - torch.cat(chunks, 1)).abs().max())
+    return float((whole - torch.stack(stepped, 1)).abs().max())
+
+
+@torch.inference_mode()
+def parity(detector: RecurrentDetector, device: str, events: int) -> tuple[float, float, float, float]:
+    """Max |logit difference| on [8, events]: (step vs forward, chunked vs whole) in IEEE float32, step vs
+    forward under torch's default TF32 settings, and bf16 autocast vs float32."""
+    x = _events(detector, 8, events, device)
+    with tf32(allowed=False):
+        whole, _ = detector(x)
+        step_error = step_vs_forward(detector, x)
+        chunk_error = _chunked_vs_whole(detector, x, whole)
+    step_error_defaults = step_vs_forward(detector, x)
     bf16_error = float("nan")
     if device != "cpu":
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
             low, _ = detector(x)
         bf16_error = float((whole - low.float()).abs().max())
-    return step_error, chunk_error, bf16_error
+    return step_error, chunk_error, step_error_defaults, bf16_error
+
+
+def _chunked_vs_whole(detector: RecurrentDetector, x: torch.Tensor, whole: torch.Tensor) -> float:
+    state, chunks = None, []
+    for start in range(0, x.shape[1], 256):
+        scores, state = detector(x[:, start : start + 256], state)
+        chunks.append(scores)
+    return float((whole - torch.cat(chunks, 1)).abs().max())
 
 
 def _synthetic_sequences(accounts: int, events: int, seed: int = 0) -> AccountSequences:
@@ -181,13 +206,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     for name in sorted(REGISTRY):
         torch.manual_seed(0)
         detector = build_detector(name, {"num_features": NUM_FEATURES}).to(device).eval()
-        step_err, chunk_err, bf16_err = parity(detector, device, sizes["parity_events"])
+        step_err, chunk_err, step_err_tf32, bf16_err = parity(detector, device, sizes["parity_events"])
         seq_s, ev_s = train_throughput(
             name, device, sizes["accounts"], sizes["events"], sizes["chunk"], sizes["steps"]
         )
         results[name] = {
             "step_vs_forward": step_err,
             "chunked_vs_whole": chunk_err,
+            "step_vs_forward_torch_defaults": step_err_tf32,
             "bf16_vs_fp32": bf16_err,
             "train_sequences_per_s": seq_s,
             "train_events_per_s": ev_s,
@@ -195,13 +221,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 detector.to(device), device, sizes["step_batch"], sizes["repeats"]
             ),
         }
-    header = f"{'detector':20s} {'step=fwd':>9s} {'chunk=whole':>11s} {'bf16-fp32':>9s} {'train seq/s':>12s} {'train ev/s':>12s} {'step ev/s':>12s}"
-    print(header)
+    columns = [  # (heading, result key, format)
+        ("step=fwd", "step_vs_forward", ".1e"),
+        ("chunk=whole", "chunked_vs_whole", ".1e"),
+        ("step=fwd tf32", "step_vs_forward_torch_defaults", ".1e"),
+        ("bf16-fp32", "bf16_vs_fp32", ".1e"),
+        ("train seq/s", "train_sequences_per_s", ",.0f"),
+        ("train ev/s", "train_events_per_s", ",.0f"),
+        ("step ev/s", "step_events_per_s", ",.0f"),
+    ]
+    print(f"{'detector':20s}" + "".join(f" {heading:>13s}" for heading, _, _ in columns))
     for name, r in results.items():
-        print(
-            f"{name:20s} {r['step_vs_forward']:9.1e} {r['chunked_vs_whole']:11.1e} {r['bf16_vs_fp32']:9.1e} "
-            f"{r['train_sequences_per_s']:12,.0f} {r['train_events_per_s']:12,.0f} {r['step_events_per_s']:12,.0f}"
-        )
+        print(f"{name:20s}" + "".join(f" {r[key]:>13{spec}}" for _, key, spec in columns))
     return results
 
 

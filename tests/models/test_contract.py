@@ -271,7 +271,8 @@ def test_gradients_flow_through_chunked_training(name, detach):
 
 def test_step_records_gradients_when_autograd_is_on(name):
     # Serving steps under inference_mode; a notebook or a fine-tuning loop may step with autograd on.
-    detector = make_detector(name)
+    # Training mode, as such a loop runs (tiny configs have no dropout): cuDNN's LSTM backward refuses eval.
+    detector = make_detector(name).train()
     x = make_events(detector, 2, 6, seed=15)
     scores, _ = step_through(detector, x)
     scores.sum().backward()
