@@ -133,7 +133,8 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.bench == "stream":
         from consumers.bench_stream import main as run_stream_bench
 
-        argv = ["--events", str(args.events), "--detectors", *(args.models or ["lstm", "linear_transformer"])]
+        argv = ["--events", str(args.events), "--max-poll-records", str(args.max_poll_records)]
+        argv += ["--detectors", *(args.models or ["lstm", "linear_transformer"])]
         return run_stream_bench(argv)
     elif args.bench == "replay":
         from pipeline.bench import run_replay_bench
@@ -275,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench.add_parser("stream", help="the service end to end on the project's broker vs the raw client")
     b.add_argument("models", nargs="*", help="detectors (default: lstm linear_transformer), untrained")
     b.add_argument("--events", type=int, default=50_000)
+    b.add_argument(
+        "--max-poll-records", type=int, default=500, help="the service's and the raw loop's poll size (default 500)"
+    )
     b.set_defaults(run=_bench)
     b = bench.add_parser("replay", help="history replayed through the live scorer (the backtest path)")
     b.add_argument("models", nargs="*", help="detectors (default: lstm linear_transformer)")
