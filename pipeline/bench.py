@@ -65,7 +65,7 @@ def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, fl
     table = pl.DataFrame(
         {
             "measure": [
-                "batch features (polars), events/s",
+                "batch features (polars + numba kernels), events/s",
                 f"streaming featurizer, micro-batches of {batch_events}, events/s",
                 "streaming micro-batch latency p50 / p99, ms",
                 "state per account / per terminal, bytes",

@@ -277,7 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("models", nargs="*", help="detectors (default: lstm linear_transformer), untrained")
     b.add_argument("--events", type=int, default=50_000)
     b.add_argument(
-        "--max-poll-records", type=int, default=500, help="the service's and the raw loop's poll size (default 500)"
+        "--max-poll-records",
+        type=int,
+        default=500,
+        help="the service's and the raw loop's poll size (default 500)",
     )
     b.set_defaults(run=_bench)
     b = bench.add_parser("replay", help="history replayed through the live scorer (the backtest path)")

@@ -1,4 +1,5 @@
-"""The feature definitions, and the specification that batch (polars) and stream (bounded state) agree."""
+"""The feature definitions, and the specifications that batch and stream (bounded state) agree and that the
+batch form's compiled kernels equal its polars/numpy reference bit for bit."""
 
 from datetime import UTC, datetime, timedelta
 
@@ -15,7 +16,8 @@ from pipeline.features import (
     raw_aggregates,
     replay_batches,
 )
-from pipeline.features.definitions import DAY_US, derive_features, feature_matrix
+from pipeline.features.batch_reference import raw_aggregates_reference
+from pipeline.features.definitions import DAY_US, RAW_FIELDS, derive_features, feature_matrix
 from pipeline.generate import GenerateConfig, generate
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday
@@ -126,6 +128,46 @@ def test_extreme_but_valid_inputs_stay_finite():
     ]
     features = compute_features(frame_of(rows))
     assert np.isfinite(features.select(FEATURE_NAMES).to_numpy()).all()
+
+
+# -- batch kernels == batch reference -------------------------------------------------------------
+
+
+def assert_kernels_equal_reference(frame: pl.DataFrame) -> None:
+    fast, reference = raw_aggregates(frame), raw_aggregates_reference(frame)
+    assert list(fast) == list(reference) == list(RAW_FIELDS)
+    for name in RAW_FIELDS:
+        assert fast[name].dtype == reference[name].dtype, name
+        np.testing.assert_array_equal(fast[name], reference[name], err_msg=name)
+
+
+def test_batch_kernels_equal_the_reference_bit_for_bit(generated):
+    assert generated["is_fraud"].sum() > 100  # fraud reports at many terminals
+    assert_kernels_equal_reference(generated)
+
+
+def test_batch_kernels_equal_the_reference_on_ties_gaps_and_late_labels():
+    day = timedelta(days=1)
+    frame = frame_of(
+        [
+            ("e1", "A", "T1", T0, 10.0, True, T0 + 2 * day),  # label known two days later
+            ("e2", "A", "T1", T0, 0.0, False, None),  # same ts: order by event_id, amount 0
+            ("e3", "B", "T1", T0 + timedelta(seconds=1), 1e9, True, T0 + timedelta(seconds=1)),
+            ("e4", "A", "T2", T0 + 2 * day, 5.5, False, None),  # label of e1 lands at this ts exactly
+            ("e5", "B", "T1", T0 + 40 * day, 3.0, False, None),  # after every window
+            ("e6", "C", "T1", T0 + 40 * day + timedelta(microseconds=1), 7.0, True, None),  # no label_ts
+        ]
+    )
+    assert_kernels_equal_reference(frame)
+    assert_kernels_equal_reference(frame.head(1))
+    assert compute_features(frame.head(0)).height == 0
+
+
+def test_unsorted_input_is_put_in_event_order_first(generated):
+    sample = generated.head(3_000)
+    shuffled = sample.sample(fraction=1.0, shuffle=True, seed=5)
+    assert not shuffled["event_id"].equals(sample["event_id"])
+    assert compute_features(shuffled).equals(compute_features(sample))
 
 
 # -- batch == stream -----------------------------------------------------------------------------------
