@@ -14,6 +14,7 @@ equal bit for bit. `raw_aggregates_reference` runs this form end to end.
 import numpy as np
 import polars as pl
 
+from pipeline.features.batch import _events
 from pipeline.features.definitions import DAY_US, RAW_FIELDS, SECOND_US, WINDOW_DAYS
 
 # Room for 2**20 epoch days (year 4840) per entity inside one int64 key. Epoch days of real data are far
@@ -115,8 +116,6 @@ def _terminal_reports(events: pl.DataFrame) -> dict[str, np.ndarray]:
 
 def raw_aggregates_reference(frame: pl.DataFrame) -> dict[str, np.ndarray]:
     """batch.raw_aggregates computed by this form: `frame` in (ts, event_id) order."""
-    from pipeline.features.batch import _events
-
     events = _events(frame)
     raw: dict[str, np.ndarray] = {"amount": events["amount"].to_numpy(), "ts_us": events["ts_us"].to_numpy()}
     raw.update(_account_aggregates(events))
