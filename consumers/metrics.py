@@ -29,6 +29,11 @@ METRICS = {
     "txsentinel_restored_states_total": ("counter", "Account state records read from the changelog."),
     "txsentinel_states_in_memory": ("gauge", "Account states held in memory."),
     "txsentinel_assigned_partitions": ("gauge", "Transactions partitions assigned to this instance."),
+    "txsentinel_terminal_counts_partial": (
+        "gauge",
+        "1 while this instance owns only some transactions partitions: its terminal transaction counts then "
+        "miss the other instances' events (README, Scaling out).",
+    ),
     "txsentinel_consumer_lag": (
         "gauge",
         "Records of the assigned transactions partitions not yet consumed (high watermark - position).",

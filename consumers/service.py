@@ -138,6 +138,7 @@ class _Service:
         self.metrics = Metrics()
         self.fatal: BaseException | None = None  # raised in a rebalance callback, re-raised by run()
         self.assigned: set[int] = set()
+        self.partitions = 0  # of the transactions topic, known once start() has made sure of the topics
         self.topic = cfg.topic("transactions")
         self.changelog = cfg.topic("changelog")
         self.table = cfg.topic("terminal_table")
@@ -460,6 +461,15 @@ class _Service:
             return
         self.assigned |= set(partitions)
         self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
+        partial = 0 < len(self.assigned) < self.partitions
+        self.metrics.set("txsentinel_terminal_counts_partial", int(partial))
+        if partial:
+            log.warning(
+                "this instance owns %d of %d transactions partitions: terminal transaction counts (features "
+                "terminal_*_count and terminal_risk_*) leave out the other instances' events; they are exact "
+                "with one instance only (README, Scaling out)",
+                len(self.assigned), self.partitions,
+            )  # fmt: skip
 
     def _restore(self, partitions: list[int]) -> None:
         """Read changelog partitions from the beginning up to their end (read_committed) into the scorer."""

@@ -20,8 +20,21 @@ Several instances: NOT exact. Every instance reads all labels, so fraud-report c
 one, but each instance adds to the terminal transaction counts only the events of ITS OWN partitions, and the
 topic is last-writer-wins per key: with N instances a terminal's counts are one instance's partial view
 (plus whatever it restored), and the label positions record is also last-writer-wins. The design is exact for
-one instance (or one partition). For several, the step up is per-writer keys (instance or input partition +
-terminal_id) summed by every reader, with label reports kept by one designated writer.
+one instance (or one partition). The service says so when it owns only some partitions: a warning at each
+assignment and the gauge txsentinel_terminal_counts_partial.
+
+The planned step up (not built), which also cuts the ~0.85 terminal records an event costs today:
+1. Count each event on its own day (a ring bucket keeps its newest day and drops older ones). The terminal
+   state is then the same whatever order events are folded in; only a late event's own windows still end
+   at the newest day seen. Batch features are unchanged: in time order no event is late.
+2. In each batch's transaction an instance writes one delta record per input partition of the batch: that
+   partition's (terminal, day, count) increments. They go to a `terminal-deltas` topic, to the same
+   partition number. Each batch, before scoring, the instance reads the deltas of the partitions it does
+   not own and folds them in. Another instance's events then reach its counts one batch cycle later.
+3. One table writer (DESIGN.md's terminal-risk consumer) folds every delta and every label. It writes this
+   compacted table, with the delta and label positions the table reflects, in one transaction per write.
+   A scorer restores from the table, then replays deltas and labels from those positions. Thanks to step
+   1, the result is exact.
 """
 
 import json

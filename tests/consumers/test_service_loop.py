@@ -120,3 +120,13 @@ def test_a_commit_the_group_refuses_rejoins_instead_of_counting_as_a_failure(mon
     assert len(rewound) == 4 and service.stats.aborted_batches == 4
     assert consumer.calls == ["unsubscribe", "subscribe"] * 4
     assert service.assigned == set()  # its partitions were dropped; the next join hands some back
+
+
+def test_owning_some_partitions_flags_terminal_counts_as_partial(caplog):
+    service, _ = make_service([])
+    service.partitions = 4  # the transactions topic's partition count, known at start
+    service.on_assigned([TopicPartition("transactions", p) for p in (0, 1)])
+    assert service.metrics.get("txsentinel_terminal_counts_partial") == 1
+    assert "owns 2 of 4 transactions partitions" in caplog.text
+    service.on_assigned([TopicPartition("transactions", p) for p in (2, 3)])  # the other instance left
+    assert service.metrics.get("txsentinel_terminal_counts_partial") == 0
