@@ -24,7 +24,7 @@ from consumers.messages import MAX_MESSAGE_BYTES, encode_transaction, transactio
 from pipeline.artifact import load_model
 from pipeline.features import TERMINAL_BUCKET_COLUMN, compute_features
 from pipeline.generate import GenerateConfig, generate
-from tests.integration.test_service import (
+from tests.integration.service_helpers import (
     Running,
     assert_exactly_once,
     create_topic,

@@ -17,7 +17,7 @@ from consumers.messages import Label, encode_label, encode_transaction, transact
 from consumers.scorer import Scorer
 from pipeline.artifact import load_model
 from tests.integration import test_service
-from tests.integration.test_service import (
+from tests.integration.service_helpers import (
     Running,
     assert_exactly_once,
     create_topic,

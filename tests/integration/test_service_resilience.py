@@ -38,7 +38,7 @@ from consumers.messages import Transaction, encode_transaction, transactions_fro
 from consumers.scorer import Scorer
 from pipeline.artifact import load_model
 from pipeline.generate import GenerateConfig, generate
-from tests.integration.test_service import (
+from tests.integration.service_helpers import (
     CHILD,
     Running,
     assert_exactly_once,

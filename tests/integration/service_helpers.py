@@ -1,0 +1,154 @@
+"""What the service's integration tests share: topics, producing, reading committed outputs, a tiny saved
+model, a serve() running in a thread, and the exactly-once and parity assertions."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import polars as pl
+import torch
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.structs import TopicPartition
+
+from consumers.messages import Transaction
+from consumers.service import serve
+from consumers.service_config import ServeConfig, load_serve_config
+from models.registry import build_detector
+from pipeline.artifact import save_model_dir
+from pipeline.features import compute_features, fit_feature_spec
+
+TOLERANCE = 1e-5
+
+
+def save_tiny_model(frame: pl.DataFrame, fit_days: int, out, version: str) -> str:
+    """An untrained tiny LSTM artifact whose normalisation is fitted on the first `fit_days` of `frame`."""
+    features = compute_features(frame)
+    start = frame["ts"].min()
+    spec = fit_feature_spec(features, start, start + timedelta(days=fit_days))
+    torch.manual_seed(0)
+    tiny = {"num_features": spec.num_features, "d_model": 8, "num_layers": 1, "dropout": 0.0}
+    detector = build_detector("lstm", tiny)
+    return str(save_model_dir(out, detector, spec, {"model_version": version}))
+
+
+@contextmanager
+def prefixed_configs(bootstrap: str, tag: str, **defaults) -> Iterator[Callable[..., ServeConfig]]:
+    """`make(**settings) -> ServeConfig` with a unique topic prefix and group (`defaults` < `settings`);
+    every topic with that prefix is deleted afterwards. A failed clean-up does not hide the test's result."""
+    prefix = f"{tag}-{uuid.uuid4().hex[:8]}-"
+    overrides = {"topic_prefix": prefix, "group_id": f"{prefix}group", **defaults}
+    yield lambda **more: load_serve_config(overrides={**overrides, **more}, env={})
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+        try:
+            admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
+        finally:
+            admin.close()
+    except Exception as error:  # clean-up only
+        print(f"could not delete topics {prefix}*: {error!r}")
+
+
+def create_topic(bootstrap: str, name: str, partitions: int) -> None:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics(
+            {name: {"num_partitions": partitions, "replication_factor": 1}}, wait_for_metadata=True
+        )
+    finally:
+        admin.close()
+
+
+def produce(bootstrap: str, topic: str, messages: list[tuple[str, bytes | None]]) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    for key, value in messages:
+        producer.send(topic, key=key.encode(), value=value)
+    producer.flush()
+    producer.close()
+
+
+class Running:
+    """serve() on a thread; stop() sets its stop_event, joins, and re-raises what serve raised."""
+
+    def __init__(self, cfg, model, bootstrap):
+        self.stop_event = threading.Event()
+        self.stats = self.error = None
+
+        def target():
+            try:
+                self.stats = serve(cfg, model, bootstrap, stop_event=self.stop_event)
+            except BaseException as error:
+                self.error = error
+
+        self.thread = threading.Thread(target=target, name="txs-serve-test", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout_s: float = 60):
+        self.stop_event.set()
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"serve() did not return within {timeout_s} s of stop_event"
+        if self.error is not None:
+            raise self.error
+        return self.stats
+
+
+def read_committed(bootstrap: str, topic: str) -> list:
+    """Every committed record of `topic`, from the beginning up to its current end."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed")
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        if not tps:
+            return []  # not created yet (the service creates its output topics)
+        consumer.assign(tps)
+        consumer.seek_to_beginning()
+        end = consumer.end_offsets(tps)
+        records, deadline = [], time.monotonic() + 30
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"could not read {topic} up to {end}"
+            for batch in consumer.poll(timeout_ms=200).values():
+                records.extend(batch)
+        return records
+    finally:
+        consumer.close()
+
+
+def wait_for_scores(bootstrap, topic, count, running: Running, timeout_s: float = 90) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if running.error is not None:
+            raise running.error
+        scores = [json.loads(r.value) for r in read_committed(bootstrap, topic)]
+        if len(scores) >= count:
+            return scores
+        assert time.monotonic() < deadline, f"{len(scores)} of {count} scores within {timeout_s} s"
+        time.sleep(0.5)
+
+
+def assert_exactly_once(scores: list[dict], events: list[Transaction]) -> dict[str, dict]:
+    by_event = {}
+    for s in scores:
+        assert s["event_id"] not in by_event, f"event {s['event_id']} scored twice"
+        by_event[s["event_id"]] = s
+    assert set(by_event) == {t.event_id for t in events}, "an event was never scored, or a stranger was"
+    return by_event
+
+
+def assert_same_scores(by_event: dict[str, dict], reference) -> None:
+    worst = max(abs(by_event[r.event_id]["score"] - r.score) for r in reference)
+    assert worst <= TOLERANCE, f"service scores differ from the scorer's by up to {worst:.3g}"
+    assert all(by_event[r.event_id]["alert"] == r.alert for r in reference)
+
+
+# serve() in a child process that the test kills with SIGKILL: no stop, no close, a transaction maybe open.
+CHILD = """
+import json, logging, sys
+from consumers.service import serve
+from consumers.service_config import load_serve_config
+logging.basicConfig(level=logging.INFO)
+serve(load_serve_config(overrides=json.loads(sys.argv[1]), env={}), sys.argv[2], sys.argv[3])
+"""
