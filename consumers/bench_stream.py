@@ -4,7 +4,8 @@ For one model (`run_stream_bench`), all in one run on the same machine:
   (0)  warm-up: a discarded raw run over up to 20k events, so that neither loop pays the broker's JIT.
   (i)  raw ceiling: a subprocess pinned to ONE core runs a plain consume -> produce loop with kafka-python,
        shaped like the service (same group consumer settings and max_poll_records, one transactional producer,
-       every record re-sent to an output topic, send_offsets_to_transaction + commit per poll), over the
+       every record re-sent to an output topic at its input partition number, as the service sends scores,
+       send_offsets_to_transaction + commit per poll), over the
        same N events. Rate = records / (last - first output record timestamp).
   (ii) the service: `consumers.service.serve` in a subprocess pinned to ONE core (os.sched_setaffinity; the
        broker and this harness use the other cores). It starts on an empty topic; once it owns the partitions,
@@ -93,7 +94,8 @@ def _raw_child(bootstrap: str, source: str, sink: str, count: int, max_poll_reco
         offsets = {}
         for tp, records in batch.items():
             for r in records:
-                producer.send(sink, key=r.key, value=r.value)
+                # The input's partition number, as the service sends its scores: no per-record key hash.
+                producer.send(sink, key=r.key, value=r.value, partition=tp.partition)
                 done += 1
             offsets[tp] = OffsetAndMetadata(records[-1].offset + 1, "", -1)
         producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
