@@ -35,6 +35,16 @@ The planned step up (not built), which also cuts the ~0.85 terminal records an e
    compacted table, with the delta and label positions the table reflects, in one transaction per write.
    A scorer restores from the table, then replays deltas and labels from those positions. Thanks to step
    1, the result is exact.
+
+A smaller step, for the sends alone, with the single-instance semantics unchanged:
+- Each batch writes one JOURNAL record to this topic. Its key is a NUL byte, then "journal/<seq>", and its value lists
+  the batch's terminal operations: (terminal, effective day) per event and (terminal, report day) per
+  fraud label. It also writes the full records of the next few terminals, round robin, each stamped with
+  the batch's seq.
+- Restore reads the table, then applies each journal record to the terminals whose stamp is older than
+  that record. The operations are the featurizer's own fold calls, so the result is exact bit for bit.
+- Journal keys older than the oldest stamp get tombstones.
+That takes a batch of 500 from ~430 sends to ~20. Restore replays at most one round-robin cycle.
 """
 
 import json
