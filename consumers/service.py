@@ -15,10 +15,10 @@ the accounts of those partitions are evicted.
 Labels and the global terminal-risk table (consumers/labels.py, consumers/terminal_table.py): on start,
 before joining the group, the instance restores the whole terminal table topic and seeks its own group-less
 `labels` reader (all partitions) to the label positions recorded there. Each batch, inside its transaction and
-before its events are scored, the labels committed so far are read (bad ones -> dead-letter), fraud labels are
-applied to the terminal table, and the records of every terminal touched plus the new label positions are
-produced with the scores: exact for one instance; with several, terminal counts are per-instance partial
-(see consumers/terminal_table.py).
+before its events are scored, the labels committed so far are read (bad ones -> dead-letter) and fraud labels are
+applied to the terminal table. After scoring, the batch's terminal journal record, a few terminals' snapshots
+and the new label positions are produced with the scores. This is exact for one instance; with several,
+terminal counts are per-instance partial (see consumers/terminal_table.py).
 """
 
 import base64
@@ -142,7 +142,7 @@ class _Service:
         self.topic = cfg.topic("transactions")
         self.changelog = cfg.topic("changelog")
         self.table = cfg.topic("terminal_table")
-        self.label_positions: dict[int, int] = {}  # the positions the committed terminal table reflects
+        self.terminal_state: terminal_table.TerminalTable | None = None  # built in start()
         self.metrics_server = None
         self.consumer = self.producer = self.restorer = self.label_consumer = self.labels = None
         self.co_partitioned = False  # scores and alerts have as many partitions as transactions
@@ -190,6 +190,9 @@ class _Service:
             **security,
         )
         self.labels = LabelReader(self.label_consumer, cfg.topic("labels"), cfg.restore_timeout_s)
+        self.terminal_state = terminal_table.TerminalTable(
+            self.scorer.featurizer, cfg.terminal_snapshot_batches, writer=uuid.uuid4().hex[:12]
+        )
         self._restore_terminals()  # before joining the group: no event is scored without the table
         self.consumer = KafkaConsumer(
             bootstrap_servers=bootstrap,
@@ -297,7 +300,7 @@ class _Service:
         cfg, producer = self.cfg, self.producer
         started = time.monotonic()
         producer.begin_transaction()
-        terminals = self._apply_labels()  # labels committed before this batch count for all its events
+        self._apply_labels()  # labels committed before this batch count for all its events
         transactions, positions, offsets, created_ms = [], [], {}, []
         for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
             for record in batch[tp]:
@@ -323,15 +326,11 @@ class _Service:
             if s.alert:
                 producer.send(alerts_topic, key=s.account_id, value=value, partition=partition)
             partition_of[s.account_id] = s.position[0]
-        # Every terminal of the batch (applied or dropped as duplicate) and of its fraud labels: one record
-        # each, to the table's one partition, with the label positions those records reflect.
-        terminals.update(t.terminal_id for t in transactions)
-        for terminal, value in terminal_table.changed_records(self.scorer.featurizer, terminals):
-            producer.send(self.table, key=terminal, value=value, partition=0)
-        label_positions = self.labels.positions()
-        if label_positions != self.label_positions:
-            value = terminal_table.encode_positions(self.labels.topic, label_positions)
-            producer.send(self.table, key=terminal_table.POSITIONS_KEY, value=value, partition=0)
+        # The terminal table, to its one partition: this batch's journal record (its labels' and events'
+        # terminal operations), the next few terminals' snapshots, tombstones for journal records no longer
+        # needed, and the label positions the table now reflects (consumers/terminal_table.py).
+        for key, value in self.terminal_state.batch_records(self.labels.topic, self.labels.positions()):
+            producer.send(self.table, key=key, value=value, partition=0)
         # Only now forget the changed set: should anything below fail, the abort path evicts and restores.
         changed = sorted(self.scorer.take_changed())
         for account, state in zip(changed, self.scorer.account_states_bytes(changed), strict=True):
@@ -348,7 +347,6 @@ class _Service:
         committed_ms = time.time() * 1000.0
         seconds = time.monotonic() - started
         records = sum(len(r) for r in batch.values())
-        self.label_positions = label_positions
         alerts = sum(s.alert for s in scores)
         self.stats.batches += 1
         self.stats.events_scored += len(scores)
@@ -408,8 +406,8 @@ class _Service:
                 self.consumer.seek(tp, committed)
 
     # -- labels and the terminal table -------------------------------------------------------------------
-    def _apply_labels(self) -> set[str]:
-        """Read the labels committed so far, dead-letter bad ones, apply the rest; -> fraud terminals."""
+    def _apply_labels(self) -> None:
+        """Read the labels committed so far, dead-letter bad ones, apply the rest."""
         labels, bad = self.labels.catch_up()
         for record, error in bad:
             self.producer.send(
@@ -423,14 +421,12 @@ class _Service:
         # (a counter for operators, not an exactly-once figure).
         self.metrics.inc("txsentinel_labels_applied_total", len(labels))
         self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
-        return {label.terminal_id for label in labels if label.is_fraud}
 
     def _restore_terminals(self) -> None:
         positions, restored = terminal_table.restore_table(
-            self.restorer, self.table, self.scorer.featurizer, self.labels.topic, self.cfg.restore_timeout_s
+            self.restorer, self.table, self.terminal_state, self.labels.topic, self.cfg.restore_timeout_s
         )
         self.labels.seek(positions)
-        self.label_positions = positions
         self.stats.restored_terminals += restored
 
     # -- rebalance ---------------------------------------------------------------------------------------

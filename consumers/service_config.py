@@ -37,8 +37,11 @@ class ServeConfig:
     alerts_topic: str = "alerts"
     dead_letter_topic: str = "dead-letter"
     changelog_topic: str = "account-state-changelog"  # compacted; partition count = transactions'
-    # compacted, one partition: terminal records + label positions (consumers/terminal_table.py)
+    # compacted, one partition: terminal records, their journal, label positions (consumers/terminal_table.py)
     terminal_table_topic: str = "terminal-risk-table"
+    # Every terminal's record is rewritten at least once in this many batches (round robin), so a restore
+    # replays at most this many batches of the terminal journal; fewer means more records per batch.
+    terminal_snapshot_batches: int = 100
     # Used only when the service creates a missing transactions topic; an existing one keeps its own.
     transactions_partitions: int = 3
     replication_factor: int = 1
@@ -79,6 +82,7 @@ class ServeConfig:
             ("producer_batch_bytes", 1),
             ("producer_linger_ms", 0),
             ("fresh_fetch_ms", 0),  # 0: off
+            ("terminal_snapshot_batches", 1),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -52,6 +52,16 @@ class EventBatch:
 
 
 @dataclass(frozen=True)
+class TerminalOp:
+    """One change to terminal state, as journaled: events counted at their terminals on their effective
+    days ("events"), or fraud reports on their label days ("reports"); terminals and days [K]."""
+
+    kind: str
+    terminals: list[str]
+    days: np.ndarray
+
+
+@dataclass(frozen=True)
 class LabelBatch:
     """Label events (all [L]); only fraud labels change state."""
 
@@ -97,6 +107,9 @@ class StreamingFeaturizer:
     def __init__(self):
         self.accounts = StateTable(ACCOUNT_STATE)
         self.terminals = StateTable(TERMINAL_STATE)
+        # When a list, every change to terminal state is also appended here as an operation that
+        # apply_terminal_ops can redo exactly (the service journals them: consumers/terminal_table.py).
+        self.terminal_journal: list[TerminalOp] | None = None
 
     # -- state codec -------------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -195,7 +208,7 @@ class StreamingFeaturizer:
         table = self.terminals
         fraud = self._fraud_labels(labels)
         label_slots = table.slots(list(fraud[0])) if fraud is not None else None
-        slots, codes, order, key, day_eff = _entity_batch(table, terminal_ids, days)
+        slots, _, order, key, day_eff = _entity_batch(table, terminal_ids, days)
         rec = table.records  # only now: creating records for new terminals may have grown the array
 
         out: dict[str, np.ndarray] = {}
@@ -221,18 +234,9 @@ class StreamingFeaturizer:
                 reports = reports + known.sum(axis=1)
             out[f"terminal_reports_{d}d"] = reports
 
-        last = np.ones(n, dtype=bool)
-        last[:-1] = codes[order][1:] != codes[order][:-1]
-        rec["max_day"][slots[order[last]]] = day_eff[order[last]]
-        self._fold_days(rec, slots, day_eff, {"day_count": np.ones(n)}, "day")
+        self._fold_terminal_events(list(terminal_ids), slots, day_eff)
         if fraud is not None:
-            self._fold_days(
-                rec,
-                label_slots,
-                fraud[1] // DAY_US,
-                {"report_count": np.ones(len(label_slots))},
-                "report_day",
-            )
+            self._fold_terminal_reports(list(fraud[0]), label_slots, fraud[1] // DAY_US)
         return out
 
     def observe_labels(self, labels: LabelBatch) -> None:
@@ -240,14 +244,48 @@ class StreamingFeaturizer:
         fraud = self._fraud_labels(labels)
         if fraud is None:
             return
-        slots = self.terminals.slots(list(fraud[0]))
-        self._fold_days(
-            self.terminals.records,
-            slots,
-            fraud[1] // DAY_US,
-            {"report_count": np.ones(len(slots))},
-            "report_day",
-        )
+        terminals = list(fraud[0])
+        self._fold_terminal_reports(terminals, self.terminals.slots(terminals), fraud[1] // DAY_US)
+
+    # -- terminal state changes, journaled -----------------------------------------------------------------
+    def _fold_terminal_events(self, terminals: list[str], slots: np.ndarray, day_eff: np.ndarray) -> None:
+        """Count events at their terminals: each on its effective day, which also raises max_day."""
+        rec = self.terminals.records
+        np.maximum.at(rec["max_day"], slots, day_eff.astype(rec["max_day"].dtype))  # = the last event's
+        self._fold_days(rec, slots, day_eff, {"day_count": np.ones(len(slots))}, "day")
+        if self.terminal_journal is not None:
+            self.terminal_journal.append(TerminalOp("events", terminals, day_eff.astype(np.int64)))
+
+    def _fold_terminal_reports(self, terminals: list[str], slots: np.ndarray, days: np.ndarray) -> None:
+        """Count fraud reports at their terminals, each on the day of its label."""
+        rec = self.terminals.records
+        self._fold_days(rec, slots, days, {"report_count": np.ones(len(slots))}, "report_day")
+        if self.terminal_journal is not None:
+            self.terminal_journal.append(TerminalOp("reports", terminals, days.astype(np.int64)))
+
+    def take_terminal_journal(self) -> list["TerminalOp"]:
+        """The operations journaled since the last take (journaling must be on)."""
+        ops, self.terminal_journal = self.terminal_journal, []
+        return ops
+
+    def apply_terminal_ops(self, ops: Sequence["TerminalOp"], redo=lambda terminal, op_index: True) -> None:
+        """Redo journaled operations, in order, for the terminals `redo(terminal, op_index)` selects. Each
+        terminal's records come out bit for bit as when the operations first ran: the folds of one terminal
+        never depend on another's. Not journaled again."""
+        journal, self.terminal_journal = self.terminal_journal, None
+        try:
+            for index, op in enumerate(ops):
+                keep = [i for i, terminal in enumerate(op.terminals) if redo(terminal, index)]
+                if not keep:
+                    continue
+                terminals = [op.terminals[i] for i in keep]
+                slots = self.terminals.slots(terminals)
+                if op.kind == "events":
+                    self._fold_terminal_events(terminals, slots, op.days[keep])
+                else:
+                    self._fold_terminal_reports(terminals, slots, op.days[keep])
+        finally:
+            self.terminal_journal = journal
 
     @staticmethod
     def _fraud_labels(labels: LabelBatch | None) -> tuple[list[str], np.ndarray] | None:

@@ -15,7 +15,9 @@ import pytest
 
 from consumers.messages import Label, encode_label, encode_transaction, transactions_from_frame
 from consumers.scorer import Scorer
+from consumers.terminal_table import TerminalTable
 from pipeline.artifact import load_model
+from pipeline.features.stream import StreamingFeaturizer
 from tests.integration import test_service
 from tests.integration.service_helpers import (
     Running,
@@ -110,10 +112,12 @@ def test_labels_change_terminal_features_like_replay(kafka_bootstrap, service_cf
     without = replay_scores(model_dir, frame.with_columns(is_fraud=pl.lit(False)))
     moved = max(abs(with_reports[t.event_id] - without[t.event_id]) for t in events[split:])
     assert moved > 1e-4, "the labels did not change any score: the test would not see them ignored"
-    # The table holds every terminal and the label positions, all committed with the scores.
-    table = {r.key: r.value for r in read_committed(kafka_bootstrap, cfg.topic("terminal_table"))}
-    assert {k.decode() for k in table} == set(frame["terminal_id"].to_list()) | {"\x00labels-positions"}
-    assert json.loads(table[b"\x00labels-positions"])["offsets"] == {"0": len(labels)}
+    # The table, committed with the scores, reads back as every terminal and the label positions.
+    table = {r.key.decode(): r.value for r in read_committed(kafka_bootstrap, cfg.topic("terminal_table"))}
+    restored = StreamingFeaturizer()
+    positions = TerminalTable(restored, 100, "reader").restore(table, cfg.topic("labels"))
+    assert set(restored.terminals) == set(frame["terminal_id"].to_list())
+    assert positions == {0: len(labels)}
 
 
 def test_a_restarted_service_restores_the_terminal_table_and_label_positions(
