@@ -16,7 +16,10 @@ from consumers.service_config import ServeConfig
 log = logging.getLogger(__name__)
 
 # The changelog must keep every account's latest record forever: compaction only, no time retention.
-CHANGELOG_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1"}
+# Segments roll hourly (the default is a week or 1 GiB): the cleaner compacts only closed segments, and a
+# restore reads everything not compacted yet.
+COMPACTED_SEGMENT_MS = str(60 * 60 * 1000)
+CHANGELOG_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1", "segment.ms": COMPACTED_SEGMENT_MS}
 
 
 def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
