@@ -39,8 +39,8 @@ class ServeConfig:
     changelog_topic: str = "account-state-changelog"  # compacted; partition count = transactions'
     # compacted, one partition: terminal records, their journal, label positions (consumers/terminal_table.py)
     terminal_table_topic: str = "terminal-risk-table"
-    # Every terminal's record is rewritten at least once in this many batches (round robin), so a restore
-    # replays at most this many batches of the terminal journal; fewer means more records per batch.
+    # A changed terminal's record is rewritten within about this many batches (longest-changed first), so
+    # a restore redoes about this many batches of the terminal journal; fewer means more records a batch.
     terminal_snapshot_batches: int = 100
     # Used only when the service creates a missing transactions topic; an existing one keeps its own.
     transactions_partitions: int = 3

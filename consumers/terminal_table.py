@@ -13,10 +13,11 @@ record. Keys that start with a NUL byte are reserved: no real terminal id has on
 
 Writes (TerminalTable.batch_records), in the SAME Kafka transaction as the batch's scores, account states and
 consumer offsets, so terminal counts, label reports and account states move together, all or nothing:
-- the batch's journal record;
-- the records of the next few terminals in a round robin, stamped with the batch's seq: enough that every
-  terminal is rewritten at least once per `terminal_snapshot_batches` batches;
-- tombstones for the journal records that every terminal's stamp has passed;
+- the batch's journal record, unless every terminal it changed is snapshotted in the same batch;
+- the records of the terminals that have been DIRTY (changed since their last record) longest, stamped
+  with the batch's seq. There are enough that each change reaches a record within about
+  `terminal_snapshot_batches` batches, and a terminal nobody touches is never rewritten;
+- tombstones for the journal records that no dirty terminal needs any more;
 - the label positions.
 A batch of 500 events touches ~400 terminals. Writing each one's record took ~0.85 sends per event, nearly
 as many as the scores. Now a batch costs a few dozen sends.
@@ -154,9 +155,10 @@ def decode_positions(data: bytes, labels_topic: str) -> tuple[dict[int, int], in
 class TerminalTable:
     """One instance's side of the table: what each batch writes, and the restore that reads it back.
 
-    Bookkeeping: each terminal's stamp (the batch after which its record in the topic was taken; for a
-    terminal with no record yet, the batch before its first operation), the terminals in stamp order (the
-    round robin of snapshots) and the journal records not yet tombstoned. Turns the featurizer's journal on.
+    Bookkeeping: the DIRTY terminals, whose state has changed since their record in the topic was taken, in
+    the order they became dirty, each with the batch before its first change (the journal it needs starts
+    after that); the snapshots take them from the front. And the journal records not yet tombstoned. A
+    terminal nobody touches is clean and costs nothing. Turns the featurizer's journal on.
     """
 
     def __init__(self, featurizer: StreamingFeaturizer, snapshot_batches: int, writer: str):
@@ -167,38 +169,40 @@ class TerminalTable:
 
     def _reset(self) -> None:
         self.featurizer.terminal_journal = []
-        self.stamps: dict[str, int] = {}
-        self.order: deque[str] = deque()  # terminals, oldest stamp first
+        self.needs_from: dict[str, int] = {}  # dirty terminal -> the batch before its first change
+        self.dirty: deque[str] = deque()  # the same terminals, in the order they became dirty
         self.live_journal: deque[str] = deque()  # journal keys, oldest first
         self.seq = 0  # the next batch's
+
+    def _mark_dirty(self, terminal: str, seq: int) -> None:
+        if terminal not in self.needs_from:
+            self.needs_from[terminal] = seq - 1
+            self.dirty.append(terminal)
 
     def batch_records(
         self, labels_topic: str, label_positions: dict[int, int]
     ) -> list[tuple[str, bytes | None]]:
         """(key, value) to write in this batch's transaction, after its events are featurized: its journal
-        record, the next terminals' snapshots, tombstones for journal records no terminal needs any more, and
-        the label positions; None values are tombstones."""
+        record, snapshots of the longest-dirty terminals, tombstones for the journal records no dirty
+        terminal needs, and the label positions; None values are tombstones."""
         seq, self.seq = self.seq, self.seq + 1
         ops = self.featurizer.take_terminal_journal()
         out: list[tuple[str, bytes | None]] = []
         for op in ops:
             for terminal in op.terminals:
-                if terminal not in self.stamps:
-                    self.stamps[terminal] = seq - 1
-                    self.order.append(terminal)
-        if ops:
+                self._mark_dirty(terminal, seq)
+        wanted = max(MIN_SNAPSHOTS_PER_BATCH, math.ceil(len(self.dirty) / self.snapshot_batches))
+        for _ in range(min(wanted, len(self.dirty))):
+            terminal = self.dirty.popleft()
+            del self.needs_from[terminal]  # its record now holds every change: clean
+            out.append((terminal, encode_terminal(self.featurizer.terminals.get_bytes(terminal), seq)))
+        needed_after = self.needs_from[self.dirty[0]] if self.dirty else seq
+        while self.live_journal and _journal_seq(self.live_journal[0]) <= needed_after:
+            out.append((self.live_journal.popleft(), None))
+        if ops and seq > needed_after:  # some terminal it changed is still dirty: the journal needs it
             key = journal_key(seq, self.writer)
             out.append((key, encode_journal(seq, ops)))
             self.live_journal.append(key)
-        wanted = max(MIN_SNAPSHOTS_PER_BATCH, math.ceil(len(self.order) / self.snapshot_batches))
-        for _ in range(min(wanted, len(self.order))):
-            terminal = self.order.popleft()
-            out.append((terminal, encode_terminal(self.featurizer.terminals.get_bytes(terminal), seq)))
-            self.stamps[terminal] = seq
-            self.order.append(terminal)
-        oldest = self.stamps[self.order[0]] if self.order else seq
-        while self.live_journal and _journal_seq(self.live_journal[0]) <= oldest:
-            out.append((self.live_journal.popleft(), None))
         out.append((POSITIONS_KEY, encode_positions(labels_topic, label_positions, seq)))
         return out
 
@@ -211,6 +215,7 @@ class TerminalTable:
             ({}, -1) if positions_value is None else decode_positions(positions_value, labels_topic)
         )
         table = StateTable(TERMINAL_STATE)
+        stamps: dict[str, int] = {}
         journal = []
         for key, value in latest.items():
             if value is None:
@@ -218,7 +223,7 @@ class TerminalTable:
             if key.startswith(JOURNAL_PREFIX):
                 journal.append((*decode_journal(key, value), key))
             else:
-                self.stamps[key], record = decode_terminal(key, value)
+                stamps[key], record = decode_terminal(key, value)
                 table.put_bytes(key, record)
         self.featurizer.terminals = table
         journal.sort(key=lambda entry: entry[0])
@@ -227,12 +232,14 @@ class TerminalTable:
 
         def redo(terminal: str, index: int) -> bool:
             seq = op_seqs[index]
-            return seq > self.stamps.setdefault(terminal, seq - 1)  # no record: everything from its first op
+            if seq <= stamps.get(terminal, -1):  # no record: every operation is redone
+                return False
+            self._mark_dirty(terminal, seq)  # ops come in batch order: the dirty order is kept
+            return True
 
         self.featurizer.apply_terminal_ops(ops, redo)
-        self.order = deque(sorted(self.stamps, key=self.stamps.__getitem__))
         self.live_journal = deque(key for _, _, key in journal)
-        self.seq = max([last_seq, *(seq for seq, _, _ in journal), *self.stamps.values()]) + 1
+        self.seq = max([last_seq, *(seq for seq, _, _ in journal), *stamps.values()]) + 1
         return positions
 
 

@@ -121,3 +121,19 @@ def test_journaled_operations_redo_only_for_the_terminals_asked():
     assert other.terminals.get_bytes("t2") != featurizer.terminals.get_bytes("t2")  # not redone
     other.apply_terminal_ops(ops)
     assert terminal_bytes(other) == terminal_bytes(featurizer)
+
+
+def test_idle_terminals_cost_nothing_and_the_journal_drains(stream):
+    live = StreamingFeaturizer()
+    table = TerminalTable(live, snapshot_batches=4, writer="live")
+    topic: dict[str, bytes | None] = {}
+    for events, labels in stream[:20]:  # hundreds of terminals become dirty
+        live.transform(events, labels)
+        write(topic, table.batch_records("labels", {}))
+    quiet = EventBatch(["A0"], ["T-busy"], stream[19][0].ts_us[-1:], np.array([3.0]))
+    sent = [write(topic, table.batch_records("labels", {})) for _ in range(30) if live.transform(quiet)]
+    assert not table.dirty and sent[-1] == 2  # its one terminal's snapshot and the positions: no journal
+    journal = [k for k, v in topic.items() if k.startswith(terminal_table.JOURNAL_PREFIX) and v is not None]
+    assert journal == [], "with nothing dirty, every journal record is tombstoned"
+    featurizer, _ = restored(topic, 4)
+    assert terminal_bytes(featurizer) == terminal_bytes(live)
