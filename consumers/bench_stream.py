@@ -15,6 +15,9 @@ For one model (`run_stream_bench`), all in one run on the same machine:
        latency is saturation latency (queueing behind the backlog).
   (iii) the same at about half the measured service rate (rate-limited producer): the operating latency,
        whose p99 is also given without the first 10% of the events (the stream's start: first transactions).
+       "busy @half": the share of that run's span the service spent inside batches (its own
+       txsentinel_batch_seconds, scraped from /metrics). Well above 50% means the VM slowed down after
+       (ii), so the run was not at half load.
 
 Run: `python -m consumers.bench_stream [--events N] [--detectors lstm linear_transformer]`; the broker is the
 project's (scripts/kafka.sh): reused if it is up, otherwise started and stopped again at the end.
@@ -27,8 +30,10 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import tempfile
 import time
+import urllib.request
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -228,6 +233,8 @@ def _events(n: int, seed: int = 3):
 def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s) -> dict:
     prefix = overrides["topic_prefix"]
     _create(bootstrap, prefix + "transactions", overrides["transactions_partitions"])
+    port = _free_port()
+    overrides = {**overrides, "metrics_host": "127.0.0.1", "metrics_port": port}
     proc = ctx.Process(target=_service_child, args=(overrides, model_dir, bootstrap, core), daemon=True)
     proc.start()
     try:
@@ -235,6 +242,7 @@ def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout
         produced_rate = _produce(bootstrap, prefix + "transactions", msgs, rate)
         scores, seen = _read_timestamps(bootstrap, prefix + "scores", len(msgs), timeout_s, proc=proc)
         inputs, _ = _read_timestamps(bootstrap, prefix + "transactions", len(msgs), timeout_s)
+        busy_s = _metric(port, "txsentinel_batch_seconds_sum")  # time inside batches, poll to commit
     finally:
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGTERM)  # serve() finishes its batch and leaves the group
@@ -256,7 +264,25 @@ def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout
         "p99_ms": float(np.percentile(lat, 99)),
         "p99_ms_after_first_10pct": float(np.percentile(steady, 99)),
         "max_ms": float(lat.max()),
+        # The share of the scoring span the service spent inside batches: near 100% means saturated, which
+        # a half-rate run must not be (its rate comes from the full-speed run, and the VM's pace drifts).
+        "busy_share": busy_s / span_s,
     }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metric(port: int, name: str) -> float:
+    """One value from the service's /metrics (Prometheus text)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise ValueError(f"metric {name} not found at 127.0.0.1:{port}/metrics")
 
 
 def _raw_run(ctx, bootstrap, prefix, count, partitions, max_poll_records, core, timeout_s) -> dict:
@@ -385,7 +411,7 @@ def format_table(results: dict[str, dict]) -> str:
     head = (
         f"{'detector':<20}{'service ev/s':>14}{'raw ceiling ev/s':>18}{'svc/ceiling':>13}"
         f"{'p50 ms @max':>13}{'p99 ms @max':>13}{'half-rate ev/s':>16}{'p50 ms @half':>14}{'p99 ms @half':>14}"
-        f"{'p99 @half, 10% on':>19}"
+        f"{'p99 @half, 10% on':>19}{'busy @half':>12}"
     )
     lines = [head, "-" * len(head)]
     for name, r in results.items():
@@ -393,7 +419,7 @@ def format_table(results: dict[str, dict]) -> str:
         lines.append(
             f"{name:<20}{s['events_per_s']:>14.0f}{r['raw']['events_per_s']:>18.0f}{100 * r['ratio']:>12.1f}%"
             f"{s['p50_ms']:>13.0f}{s['p99_ms']:>13.0f}{h['events_per_s']:>16.0f}{h['p50_ms']:>14.0f}{h['p99_ms']:>14.0f}"
-            f"{h['p99_ms_after_first_10pct']:>19.0f}"
+            f"{h['p99_ms_after_first_10pct']:>19.0f}{100 * h['busy_share']:>11.0f}%"
         )
     return "\n".join(lines)
 
