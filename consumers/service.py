@@ -327,8 +327,8 @@ class _Service:
                 producer.send(alerts_topic, key=s.account_id, value=value, partition=partition)
             partition_of[s.account_id] = s.position[0]
         # The terminal table, to its one partition: this batch's journal record (its labels' and events'
-        # terminal operations), the next few terminals' snapshots, tombstones for journal records no longer
-        # needed, and the label positions the table now reflects (consumers/terminal_table.py).
+        # terminal operations), the longest-changed terminals' snapshots, tombstones for journal records no
+        # longer needed, and the label positions the table now reflects (consumers/terminal_table.py).
         for key, value in self.terminal_state.batch_records(self.labels.topic, self.labels.positions()):
             producer.send(self.table, key=key, value=value, partition=0)
         # Only now forget the changed set: should anything below fail, the abort path evicts and restores.

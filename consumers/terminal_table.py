@@ -73,8 +73,6 @@ log = logging.getLogger(__name__)
 POSITIONS_KEY = "\x00labels-positions"
 JOURNAL_PREFIX = "\x00journal/"  # + 20-digit seq + "/" + writer tag; NUL: no terminal id starts with one
 TABLE_PARTITIONS = 1  # small and read whole by every instance: one partition keeps it simple and ordered
-# Compacted, no time retention; segments roll hourly so tombstoned journal records are compacted away soon.
-TABLE_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1", "segment.ms": str(60 * 60 * 1000)}
 MIN_SNAPSHOTS_PER_BATCH = 8
 _MAGIC = b"TXT2"  # a stamped terminal record
 _UNSTAMPED_MAGIC = b"TXST"  # terminal records of txsentinel before the journal

@@ -15,11 +15,10 @@ from consumers.service_config import ServeConfig
 
 log = logging.getLogger(__name__)
 
-# The changelog must keep every account's latest record forever: compaction only, no time retention.
-# Segments roll hourly (the default is a week or 1 GiB): the cleaner compacts only closed segments, and a
-# restore reads everything not compacted yet.
-COMPACTED_SEGMENT_MS = str(60 * 60 * 1000)
-CHANGELOG_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1", "segment.ms": COMPACTED_SEGMENT_MS}
+# The changelog and the terminal table keep every key's latest record forever: compaction only, no time
+# retention. Segments roll hourly (the default is a week or 1 GiB): the cleaner compacts only closed
+# segments, and a restore reads everything not compacted yet (superseded states, tombstoned journal records).
+COMPACTED_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1", "segment.ms": str(60 * 60 * 1000)}
 
 
 def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
@@ -42,7 +41,7 @@ def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
                 _create(admin, cfg.topic(name), partitions, cfg.replication_factor, {})
         changelog = cfg.topic("changelog")
         if changelog not in existing:
-            _create(admin, changelog, partitions, cfg.replication_factor, CHANGELOG_CONFIG)
+            _create(admin, changelog, partitions, cfg.replication_factor, COMPACTED_CONFIG)
         found = _partition_count(admin, changelog)
         if found != partitions:
             raise ValueError(
@@ -60,7 +59,7 @@ def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
                 table,
                 terminal_table.TABLE_PARTITIONS,
                 cfg.replication_factor,
-                terminal_table.TABLE_CONFIG,
+                COMPACTED_CONFIG,
             )
         found = _partition_count(admin, table)
         if found != terminal_table.TABLE_PARTITIONS:

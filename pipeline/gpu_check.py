@@ -45,7 +45,7 @@ def tf32(allowed: bool):
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def step_vs_forward(detector: RecurrentDetector, x: torch.Tensor) -> float:
+def _step_vs_forward(detector: RecurrentDetector, x: torch.Tensor) -> float:
     whole, _ = detector(x)
     state = detector.init_state(x.shape[0])
     stepped = []
@@ -62,9 +62,9 @@ def parity(detector: RecurrentDetector, device: str, events: int) -> tuple[float
     x = _events(detector, 8, events, device)
     with tf32(allowed=False):
         whole, _ = detector(x)
-        step_error = step_vs_forward(detector, x)
+        step_error = _step_vs_forward(detector, x)
         chunk_error = _chunked_vs_whole(detector, x, whole)
-    step_error_defaults = step_vs_forward(detector, x)
+    step_error_defaults = _step_vs_forward(detector, x)
     bf16_error = float("nan")
     if device != "cpu":
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16):

@@ -36,6 +36,11 @@ PASSTHROUGH: tuple[str, ...] = (
 )
 
 
+def _entity_count(codes: np.ndarray) -> int:
+    """How many entities codes 0.. can name (the kernels' per-entity arrays)."""
+    return int(codes.max()) + 1 if len(codes) else 0
+
+
 def _account_aggregates(events: pl.DataFrame) -> dict[str, np.ndarray]:
     """Account aggregates in event order (batch_reference._account_aggregates, one compiled pass)."""
     codes = events["account"].to_numpy()
@@ -47,7 +52,7 @@ def _account_aggregates(events: pl.DataFrame) -> dict[str, np.ndarray]:
         .cast(pl.Int64)
         .alias("terminal_seen"),
     )
-    n_accounts = int(codes.max()) + 1 if len(codes) else 0
+    n_accounts = _entity_count(codes)
     prev_sum, prev_sumsq, gap_s = kernels.account_history(
         codes, n_accounts, events["ts_us"].to_numpy(), columns["log_amount"].to_numpy(), 1.0 / SECOND_US
     )
@@ -71,7 +76,7 @@ def _terminal_aggregates(events: pl.DataFrame) -> dict[str, np.ndarray]:
     """Terminal counts and fraud reports in event order (batch_reference's, one compiled pass each)."""
     codes = events["terminal"].to_numpy()
     days = events["day"].to_numpy()
-    n_terminals = int(codes.max()) + 1 if len(codes) else 0
+    n_terminals = _entity_count(codes)
     _, counts, _ = kernels.entity_windows(codes, n_terminals, days, _WINDOWS, np.empty(0))
     reports = (
         events.lazy()

@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from pipeline.gpu_check import tf32
+
 TEST_DEVICE = os.environ.get("TXSENTINEL_TEST_DEVICE", "cpu")
 
 
@@ -26,13 +28,8 @@ def _detector_tests_on_the_test_device():
         pytest.fail(f"TXSENTINEL_TEST_DEVICE={TEST_DEVICE} but torch sees no CUDA device")
     # The contract's float32 tolerances are IEEE float32's. torch lets cuDNN use TF32 (10-bit mantissa)
     # by default, which puts the LSTM's cuDNN forward ~3e-4 from its float32 step: see README, On a GPU.
-    before = (
-        torch.get_default_device(),
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.cuda.matmul.allow_tf32,
-    )
+    before = torch.get_default_device()
     torch.set_default_device(TEST_DEVICE)
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.set_default_device(before[0])
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before[1:]
+    with tf32(allowed=False):
+        yield
+    torch.set_default_device(before)
