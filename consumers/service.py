@@ -5,7 +5,9 @@ decode (bad input -> dead-letter, with its reason) -> Scorer.score in partition 
 the changed accounts' state records to the compacted changelog -> the consumed offsets -> commit.
 Consumers of the outputs read committed, so a crash anywhere before the commit leaves no trace and the batch
 is redelivered; the state records carry each account's last applied (partition, offset), so even a
-redelivery past a lost commit is never applied twice.
+redelivery past a lost commit is never applied twice. A batch's commit runs on a committer thread while the
+next batch is polled and scored in memory; that batch is sent only once the commit has returned, and is
+rewound with it if it failed (consumers/commit_pipeline.py).
 
 The changelog has as many partitions as `transactions`, and each account's record goes to the partition
 number of the input event it came from: on assignment of input partition p, this instance reads changelog
@@ -35,12 +37,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import CommitFailedError, KafkaError, ProducerFencedError
+from kafka.errors import CommitFailedError, ProducerFencedError
 from kafka.serializer import DefaultSerializer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from consumers import terminal_table
 from consumers.batch_limit import BatchLimit
+from consumers.commit_pipeline import Committed, ScoredBatch, TransactionPipeline
 from consumers.compacted import read_latest
 from consumers.labels import LabelReader, label_batch
 from consumers.messages import MessageError, decode_transaction, encode_scores
@@ -113,8 +116,8 @@ def _install_signal_handlers(stop: threading.Event) -> dict:
 
 
 class _Listener(ConsumerRebalanceListener):
-    # kafka-python calls these from inside poll(), between batches: no transaction is open then, since
-    # every batch commits (or aborts) before the next poll.
+    # kafka-python calls these from inside poll(), between batches. The previous batch's commit may still be
+    # running then: on_revoked settles it first, so no transaction stays open across a rebalance.
     def __init__(self, service: "_Service"):
         self.service = service
 
@@ -145,6 +148,8 @@ class _Service:
         self.terminal_state: terminal_table.TerminalTable | None = None  # built in start()
         self.metrics_server = None
         self.consumer = self.producer = self.restorer = self.label_consumer = self.labels = None
+        self.pipeline: TransactionPipeline | None = None  # the producer, committing in the background
+        self.failures = 0  # batches aborted in a row (commit refusals by the group aside)
         self.co_partitioned = False  # scores and alerts have as many partitions as transactions
         self.rebalance_callbacks = 0  # revocations and assignments seen: _top_up checks for one in between
 
@@ -170,10 +175,12 @@ class _Service:
             transaction_timeout_ms=cfg.transaction_timeout_ms,
             linger_ms=cfg.producer_linger_ms,
             batch_size=cfg.producer_batch_bytes,
+            retry_backoff_ms=cfg.producer_retry_backoff_ms,
             key_serializer=KEYS,
             **security,
         )
         self.producer.init_transactions()
+        self.pipeline = TransactionPipeline(self.producer)
         counts = {}
         for name in ("scores", "alerts", "dead_letter", "changelog", "terminal_table"):
             # Metadata now, not on the first batch's first send to each topic (~0.3 s of latency there).
@@ -214,44 +221,93 @@ class _Service:
 
     # -- the loop ----------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        failures = 0
-        while not stop.is_set():
-            batch = self.consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.limit.records)
-            if batch:
-                batch = self._top_up(batch)  # {} when a rebalance came in between: fetched again later
-            if self.fatal is not None:
-                raise self.fatal  # from a rebalance callback inside either poll
-            if not batch:
-                continue
-            try:
-                self._process(batch)
-                failures = 0
-            except ProducerFencedError:
-                raise RuntimeError(
-                    "this instance's producer was fenced: a newer instance owns its partitions; stopping"
-                ) from None
-            except CommitFailedError as error:
-                # The group no longer knows this member or its generation (a broker restart, a session
-                # timeout, a rebalance it missed), so the offsets could not join the transaction and nothing
-                # of the batch committed. Not a failed batch: abort, then join again as a new member, which
-                # restores its partitions' states when they are assigned.
-                self.stats.aborted_batches += 1
-                self.metrics.inc("txsentinel_aborted_transactions_total")
-                log.warning(
-                    "batch aborted: the group has moved on without this member (%r); rejoining", error
-                )
-                self._abort_and_rewind(batch)
-                self._rejoin()
-            except Exception as error:  # abort, rewind, restore: the batch is redelivered
-                failures += 1
-                self.stats.aborted_batches += 1
-                self.metrics.inc("txsentinel_aborted_transactions_total")
-                log.exception("batch aborted attempt=%d error=%r", failures, error)
-                self._abort_and_rewind(batch)
-                if failures >= MAX_FAILED_BATCHES:
-                    raise RuntimeError(
-                        f"{failures} batches in a row failed (last: {error!r}); stopping rather than loop"
-                    ) from error
+        """Poll, score, commit in the background (consumers/commit_pipeline.py) until `stop` is set."""
+        try:
+            while not stop.is_set():
+                self._cycle()
+        finally:
+            self._finish_in_flight()
+
+    def _cycle(self) -> None:
+        # While a commit runs, poll briefly: an idle stream still settles it (and its metrics) promptly.
+        timeout_ms = min(self.cfg.poll_timeout_ms, 10) if self.pipeline.busy() else self.cfg.poll_timeout_ms
+        batch = self.consumer.poll(timeout_ms=timeout_ms, max_records=self.limit.records)
+        if batch:
+            batch = self._top_up(batch)  # {} when a rebalance came in between: fetched again later
+        if self.fatal is not None:
+            raise self.fatal  # from a rebalance callback inside either poll
+        try:
+            scored = self._score(batch) if batch else None  # in memory only: nothing is sent yet
+            waiting = time.monotonic()
+            self._settle()  # the previous batch's commit; raises what failed it
+            if scored is not None:
+                scored.waited_s = time.monotonic() - waiting
+                self._publish(scored)
+        except Exception as error:
+            self._recover(error, batch)
+
+    def _settle(self) -> None:
+        """Wait for the batch in flight to commit, then count it (raises what failed its commit)."""
+        committed = self.pipeline.settle()
+        if committed is not None:
+            self.failures = 0
+            self._count(committed)
+
+    def _publish(self, scored: ScoredBatch) -> None:
+        started = time.monotonic()
+        self.pipeline.publish(scored, self.consumer.group_metadata())
+        scored.seconds["produce"] = time.monotonic() - started
+        busy = sum(scored.seconds.values())
+        self.metrics.observe("txsentinel_batch_seconds", busy)
+        # The next poll's size follows the measured time between polls, the wait for the last commit included.
+        self.limit.observe(scored.events, busy + scored.waited_s)
+
+    def _recover(self, error: Exception, batch: dict | None) -> None:
+        """Abort, rewind and restore after a failure in scoring, publishing or committing.
+
+        The failure may be this batch's (scoring, sending) or the previous batch's commit; either way every
+        batch not committed is rewound: the one in flight (if its commit failed) and this one.
+        """
+        rewind = [batch] if batch else []
+        try:
+            self._settle()  # a scoring failure leaves the previous commit running: let it finish first
+        except Exception as commit_error:
+            error = commit_error
+            failed = self.pipeline.take_failed()
+            rewind.insert(0, failed.polled)
+        self.pipeline.abort()
+        if isinstance(error, ProducerFencedError):
+            raise RuntimeError(
+                "this instance's producer was fenced: a newer instance owns its partitions; stopping"
+            ) from None
+        self.stats.aborted_batches += 1
+        self.metrics.inc("txsentinel_aborted_transactions_total")
+        rewound = _merged(rewind)
+        if isinstance(error, CommitFailedError):
+            # The group no longer knows this member or its generation (a broker restart, a session timeout,
+            # a rebalance it missed), so the offsets could not join the transaction and nothing of the batch
+            # committed. Not a failed batch: rewind, then join again as a new member, which restores its
+            # partitions' states when they are assigned.
+            log.warning("batch aborted: the group has moved on without this member (%r); rejoining", error)
+            self._rewind(rewound)
+            self._rejoin()
+            return
+        self.failures += 1
+        log.error("batch aborted attempt=%d error=%r", self.failures, error, exc_info=error)
+        self._rewind(rewound)  # the batch is redelivered
+        if self.failures >= MAX_FAILED_BATCHES:
+            raise RuntimeError(
+                f"{self.failures} batches in a row failed (last: {error!r}); stopping rather than loop"
+            ) from error
+
+    def _finish_in_flight(self) -> None:
+        """On the way out (stop, or an error): the last batch commits, or its transaction is aborted."""
+        try:
+            self._settle()
+        except Exception as error:  # nothing of it committed: the group redelivers it to the next owner
+            log.warning("last batch aborted on the way out error=%r", error)
+            self.pipeline.take_failed()
+            self.pipeline.abort()
 
     def _rejoin(self) -> None:
         """Drop this member's partitions and subscribe afresh: the next poll joins the group anew.
@@ -292,19 +348,19 @@ class _Service:
                     self.consumer.seek(tp, records[0].offset)
             log.info("batch dropped: a rebalance came in while topping it up; it is fetched again")
             return {}
-        for tp, records in more.items():
-            batch[tp] = [*batch.get(tp, ()), *records]
-        return batch
+        return _merged([batch, more])
 
-    def _process(self, batch: dict) -> None:
-        cfg, producer = self.cfg, self.producer
+    def _score(self, batch: dict) -> ScoredBatch:
+        """Decode, apply labels, score and encode a batch; its records are held for its transaction."""
+        cfg = self.cfg
         started = time.monotonic()
-        producer.begin_transaction()
-        self._apply_labels()  # labels committed before this batch count for all its events
-        transactions, positions, offsets, created_ms = [], [], {}, []
+        out = ScoredBatch(batch)
+        self._apply_labels(out)  # labels committed before this batch count for all its events
+        transactions, positions, created_ms = [], [], []
         for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
             for record in batch[tp]:
-                offsets[tp] = OffsetAndMetadata(record.offset + 1, "", -1)
+                out.offsets[tp] = OffsetAndMetadata(record.offset + 1, "", -1)
+                out.events += 1
                 try:
                     if record.value is None:
                         raise MessageError("null value (a tombstone): expected a JSON transaction")
@@ -312,66 +368,72 @@ class _Service:
                     positions.append((record.partition, record.offset))
                     created_ms.append(record.timestamp)
                 except MessageError as error:
-                    producer.send(cfg.topic("dead_letter"), key=record.key, value=_dead_letter(record, error))
-                    self.stats.dead_lettered += 1
+                    self._dead_letter(out, record, error)
         dropped_before = self.scorer.stats.duplicates_dropped
         decoded = time.monotonic()
         scores = self.scorer.score(transactions, positions)
         scored = time.monotonic()
+        out.duplicates_dropped = self.scorer.stats.duplicates_dropped - dropped_before
         partition_of = {}
         scores_topic, alerts_topic = cfg.topic("scores"), cfg.topic("alerts")
         for s, value in zip(scores, encode_scores(scores, self.model_version), strict=True):
             partition = s.position[0] if self.co_partitioned else None
-            producer.send(scores_topic, key=s.account_id, value=value, partition=partition)
+            out.records.append((scores_topic, s.account_id, value, partition))
             if s.alert:
-                producer.send(alerts_topic, key=s.account_id, value=value, partition=partition)
+                out.records.append((alerts_topic, s.account_id, value, partition))
+                out.alerts += 1
             partition_of[s.account_id] = s.position[0]
+        out.scored = len(scores)
+        created = dict(zip(positions, created_ms, strict=True))  # duplicates dropped: no score
+        out.created_ms = [created[s.position] for s in scores]
         # The terminal table, to its one partition: this batch's journal record (its labels' and events'
         # terminal operations), the longest-changed terminals' snapshots, tombstones for journal records no
         # longer needed, and the label positions the table now reflects (consumers/terminal_table.py).
         for key, value in self.terminal_state.batch_records(self.labels.topic, self.labels.positions()):
-            producer.send(self.table, key=key, value=value, partition=0)
-        # Only now forget the changed set: should anything below fail, the abort path evicts and restores.
+            out.records.append((self.table, key, value, 0))
+        # Only now forget the changed set: should anything below fail, the rewind evicts and restores.
         changed = sorted(self.scorer.take_changed())
         for account, state in zip(changed, self.scorer.account_states_bytes(changed), strict=True):
-            producer.send(self.changelog, key=account, value=state, partition=partition_of[account])
-        # Commit order (one transaction, all or nothing):
-        #   1. scores, alerts, dead letters and state records were sent above (buffered, maybe in flight);
-        #   2. the consumed offsets join the transaction with the group's metadata (generation, member id),
-        #      so a zombie from an older generation is fenced by the group coordinator (KIP-447);
-        #   3. commit_transaction() flushes every pending record, then writes the commit markers; read_committed
-        #      readers see all outputs and the new offsets at once, or (on abort or crash) none of them.
-        sent = time.monotonic()
-        producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
-        producer.commit_transaction()
-        committed_ms = time.time() * 1000.0
-        seconds = time.monotonic() - started
-        records = sum(len(r) for r in batch.values())
-        alerts = sum(s.alert for s in scores)
+            out.records.append((self.changelog, account, state, partition_of[account]))
+        out.seconds = {
+            "decode": decoded - started,
+            "score": scored - decoded,
+            "encode": time.monotonic() - scored,
+        }
+        return out
+
+    def _dead_letter(self, out: ScoredBatch, record, error: MessageError) -> None:
+        out.records.append(
+            (self.cfg.topic("dead_letter"), record.key, _dead_letter_value(record, error), None)
+        )
+        out.dead_lettered += 1
+
+    def _count(self, committed: Committed) -> None:
+        """Stats and metrics of a committed batch."""
+        out = committed.batch
         self.stats.batches += 1
-        self.stats.events_scored += len(scores)
-        self.stats.alerts += alerts
-        self.stats.duplicates_dropped += self.scorer.stats.duplicates_dropped - dropped_before
+        self.stats.events_scored += out.scored
+        self.stats.alerts += out.alerts
+        self.stats.dead_lettered += out.dead_lettered
+        self.stats.duplicates_dropped += out.duplicates_dropped
         m = self.metrics
         m.inc("txsentinel_batches_total")
-        m.inc("txsentinel_events_scored_total", len(scores))
-        m.inc("txsentinel_alerts_total", alerts)
-        m.inc("txsentinel_events_dead_lettered_total", records - len(transactions))
-        m.inc("txsentinel_duplicates_dropped_total", self.scorer.stats.duplicates_dropped - dropped_before)
+        m.inc("txsentinel_events_scored_total", out.scored)
+        m.inc("txsentinel_alerts_total", out.alerts)
+        m.inc("txsentinel_events_dead_lettered_total", out.dead_lettered)
+        m.inc("txsentinel_duplicates_dropped_total", out.duplicates_dropped)
         m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         m.set("txsentinel_consumer_lag", self._lag())
-        m.observe("txsentinel_batch_events", records)
-        m.observe("txsentinel_batch_seconds", seconds)
-        self.limit.observe(records, seconds)  # the next poll's size follows the measured cost
-        if scores:
-            created = dict(zip(positions, created_ms, strict=True))  # duplicates dropped: no score
-            waited_ms = committed_ms - np.fromiter((created[s.position] for s in scores), np.float64)
+        m.observe("txsentinel_batch_events", out.events)
+        m.observe("txsentinel_commit_seconds", committed.seconds)
+        if out.created_ms:
+            waited_ms = committed.at_ms - np.asarray(out.created_ms, np.float64)
             m.observe("txsentinel_latency_seconds", np.maximum(waited_ms, 0.0) / 1000.0)
         if log.isEnabledFor(logging.DEBUG):
+            phases = " ".join(f"{k}_s={v:.4f}" for k, v in out.seconds.items())
             log.debug(
-                "batch events=%d scored=%d decode_s=%.4f score_s=%.4f produce_s=%.4f commit_s=%.4f",
-                len(transactions), len(scores), decoded - started, scored - decoded, sent - scored,
-                time.monotonic() - sent,
+                "batch events=%d scored=%d %s wait_s=%.4f commit_s=%.4f",
+                out.events, out.scored, phases, out.waited_s, committed.seconds,
             )  # fmt: skip
 
     def _lag(self) -> int:
@@ -383,22 +445,25 @@ class _Service:
                 lag += max(high - self.consumer.position(tp), 0)
         return lag
 
-    def _abort_and_rewind(self, batch: dict) -> None:
-        # The batch's outputs vanish with the transaction; its accounts in memory may be half-applied, so
-        # they are reloaded from the changelog and the consumer goes back to the group's committed offsets.
-        try:
-            self.producer.abort_transaction()
-        except KafkaError as error:
-            log.warning("abort failed error=%r (the broker aborts it on timeout)", error)
+    def _rewind(self, batch: dict, revoked: Iterable[int] = ()) -> None:
+        """Undo uncommitted batches in memory (their transaction is aborted already).
+
+        Their accounts may be half-applied, so they are reloaded from the changelog, the terminal table is
+        read again, and the consumer goes back to the group's committed offsets. Partitions in `revoked`
+        are leaving this instance: their accounts are dropped, not reloaded.
+        """
         partitions = sorted({tp.partition for tp in batch})
         accounts = {a for p in partitions for a in self.scorer.accounts_in_partition(p)}
         accounts |= {KEYS.deserialize(None, None, r.key) for rs in batch.values() for r in rs if r.key}
         for account in accounts & set(self.scorer.accounts_in_memory):
             self.scorer.evict(account, discard_changes=True)
         self.scorer.take_changed()
-        self._restore(partitions)
-        self._restore_terminals()  # drops the batch's terminal counts and labels; labels are read again
+        kept = [p for p in partitions if p not in set(revoked)]
+        self._restore(kept)
+        self._restore_terminals()  # drops the batches' terminal counts and labels; labels are read again
         for tp in batch:
+            if tp.partition not in kept:
+                continue
             committed = self.consumer.committed(tp)
             if committed is None:
                 self.consumer.seek_to_beginning(tp)  # auto_offset_reset=earliest: nothing committed yet
@@ -406,21 +471,17 @@ class _Service:
                 self.consumer.seek(tp, committed)
 
     # -- labels and the terminal table -------------------------------------------------------------------
-    def _apply_labels(self) -> None:
+    def _apply_labels(self, out: ScoredBatch) -> None:
         """Read the labels committed so far, dead-letter bad ones, apply the rest."""
         labels, bad = self.labels.catch_up()
         for record, error in bad:
-            self.producer.send(
-                self.cfg.topic("dead_letter"), key=record.key, value=_dead_letter(record, error)
-            )
-            self.stats.dead_lettered += 1
+            self._dead_letter(out, record, error)
         if labels:
             self.scorer.observe_labels(label_batch(labels))
             self.stats.labels_applied += len(labels)
         # Counted now, inside the transaction: an aborted batch reads these labels again and counts them twice
         # (a counter for operators, not an exactly-once figure).
         self.metrics.inc("txsentinel_labels_applied_total", len(labels))
-        self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
 
     def _restore_terminals(self) -> None:
         positions, restored = terminal_table.restore_table(
@@ -433,6 +494,7 @@ class _Service:
     def on_revoked(self, revoked: Iterable[TopicPartition]) -> None:
         self.rebalance_callbacks += 1
         partitions = sorted(tp.partition for tp in revoked if tp.topic == self.topic)
+        self._settle_before_revoking(partitions)
         evicted = 0
         for p in partitions:
             for account in self.scorer.accounts_in_partition(p):
@@ -445,6 +507,23 @@ class _Service:
         self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
         self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         log.info("partitions revoked partitions=%s evicted_states=%d", partitions, evicted)
+
+    def _settle_before_revoking(self, partitions: list[int]) -> None:
+        """The batch in flight commits under the generation that is ending, or is aborted and rewound."""
+        try:
+            self._settle()
+        except Exception as error:  # kafka-python logs and swallows callback errors: handled here
+            failed = self.pipeline.take_failed()
+            self.pipeline.abort()
+            if isinstance(error, ProducerFencedError):
+                self.fatal = RuntimeError(
+                    "this instance's producer was fenced: a newer instance owns its partitions"
+                )
+                return
+            self.stats.aborted_batches += 1
+            self.metrics.inc("txsentinel_aborted_transactions_total")
+            log.warning("batch aborted at revocation error=%r; it is redelivered", error)
+            self._rewind(failed.polled, revoked=partitions)
 
     def on_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         self.rebalance_callbacks += 1
@@ -497,6 +576,7 @@ class _Service:
         parts = (
             ("consumer", self.consumer, lambda c: c.close(autocommit=False)),
             ("producer", self.producer, lambda p: p.close(timeout=10)),
+            ("committer", self.pipeline, lambda p: p.close()),
             ("restore consumer", self.restorer, lambda c: c.close()),
             ("labels consumer", self.label_consumer, lambda c: c.close()),
             ("metrics", self.metrics_server, lambda m: m.close()),
@@ -510,7 +590,16 @@ class _Service:
                 log.warning("close failed part=%s error=%r", name, error)
 
 
-def _dead_letter(record, error: MessageError) -> bytes:
+def _merged(batches: list[dict]) -> dict:
+    """Polled batches as one: {TopicPartition: records}, for one rewind."""
+    merged: dict = {}
+    for batch in batches:
+        for tp, records in batch.items():
+            merged[tp] = [*merged.get(tp, ()), *records]
+    return merged
+
+
+def _dead_letter_value(record, error: MessageError) -> bytes:
     # The original bytes travel base64-encoded: they may not be UTF-8, let alone JSON.
     return json.dumps(
         {
