@@ -46,6 +46,7 @@ class ScoredBatch:
     alerts: int = 0
     dead_lettered: int = 0
     duplicates_dropped: int = 0
+    labels_applied: int = 0  # fraud and not-fraud labels read and applied before the batch's events
     created_ms: list[float] = field(default_factory=list)  # the scored events' produce times (latency)
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds of main-thread work
     waited_s: float = 0.0  # for the previous batch's commit, before this one could be sent

@@ -23,9 +23,7 @@ and the new label positions are produced with the scores. This is exact for one 
 terminal counts are per-instance partial (see consumers/terminal_table.py).
 """
 
-import base64
 import gc
-import json
 import logging
 import signal
 import threading
@@ -39,14 +37,14 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import CommitFailedError, ProducerFencedError
 from kafka.serializer import DefaultSerializer
-from kafka.structs import OffsetAndMetadata, TopicPartition
+from kafka.structs import TopicPartition
 
 from consumers import terminal_table
 from consumers.batch_limit import BatchLimit
+from consumers.batch_scoring import BatchScorer
 from consumers.commit_pipeline import Committed, ScoredBatch, TransactionPipeline
 from consumers.compacted import read_latest
-from consumers.labels import LabelReader, label_batch
-from consumers.messages import MessageError, decode_transaction, encode_scores
+from consumers.labels import LabelReader
 from consumers.metrics import Metrics, MetricsServer
 from consumers.scorer import Scorer
 from consumers.service_config import ServeConfig
@@ -150,7 +148,7 @@ class _Service:
         self.consumer = self.producer = self.restorer = self.label_consumer = self.labels = None
         self.pipeline: TransactionPipeline | None = None  # the producer, committing in the background
         self.failures = 0  # batches aborted in a row (commit refusals by the group aside)
-        self.co_partitioned = False  # scores and alerts have as many partitions as transactions
+        self.batches: BatchScorer | None = None  # polled batch -> records to send; built in start()
         self.rebalance_callbacks = 0  # revocations and assignments seen: _top_up checks for one in between
 
     def start(self, bootstrap: str) -> None:
@@ -185,10 +183,7 @@ class _Service:
         for name in ("scores", "alerts", "dead_letter", "changelog", "terminal_table"):
             # Metadata now, not on the first batch's first send to each topic (~0.3 s of latency there).
             counts[name] = len(self.producer.partitions_for(cfg.topic(name)))
-        # A score goes to the partition number of its input event when the counts match (topics the service
-        # creates always do): the key's partition under the default partitioner, without kafka-python's
-        # pure-Python murmur2 per record (~10 us of a ~40 us send).
-        self.co_partitioned = counts["scores"] == counts["alerts"] == self.partitions
+        co_partitioned = counts["scores"] == counts["alerts"] == self.partitions
         self.label_consumer = KafkaConsumer(
             bootstrap_servers=bootstrap,
             isolation_level="read_committed",
@@ -201,6 +196,9 @@ class _Service:
             self.scorer.featurizer, cfg.terminal_snapshot_batches, writer=uuid.uuid4().hex[:12]
         )
         self._restore_terminals()  # before joining the group: no event is scored without the table
+        self.batches = BatchScorer(
+            cfg, self.scorer, self.labels, self.terminal_state, self.model_version, co_partitioned
+        )
         self.consumer = KafkaConsumer(
             bootstrap_servers=bootstrap,
             group_id=cfg.group_id,
@@ -237,7 +235,7 @@ class _Service:
         if self.fatal is not None:
             raise self.fatal  # from a rebalance callback inside either poll
         try:
-            scored = self._score(batch) if batch else None  # in memory only: nothing is sent yet
+            scored = self.batches.score(batch) if batch else None  # in memory only: nothing is sent yet
             waiting = time.monotonic()
             self._settle()  # the previous batch's commit; raises what failed it
             if scored is not None:
@@ -350,64 +348,6 @@ class _Service:
             return {}
         return _merged([batch, more])
 
-    def _score(self, batch: dict) -> ScoredBatch:
-        """Decode, apply labels, score and encode a batch; its records are held for its transaction."""
-        cfg = self.cfg
-        started = time.monotonic()
-        out = ScoredBatch(batch)
-        self._apply_labels(out)  # labels committed before this batch count for all its events
-        transactions, positions, created_ms = [], [], []
-        for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
-            for record in batch[tp]:
-                out.offsets[tp] = OffsetAndMetadata(record.offset + 1, "", -1)
-                out.events += 1
-                try:
-                    if record.value is None:
-                        raise MessageError("null value (a tombstone): expected a JSON transaction")
-                    transactions.append(decode_transaction(record.value))
-                    positions.append((record.partition, record.offset))
-                    created_ms.append(record.timestamp)
-                except MessageError as error:
-                    self._dead_letter(out, record, error)
-        dropped_before = self.scorer.stats.duplicates_dropped
-        decoded = time.monotonic()
-        scores = self.scorer.score(transactions, positions)
-        scored = time.monotonic()
-        out.duplicates_dropped = self.scorer.stats.duplicates_dropped - dropped_before
-        partition_of = {}
-        scores_topic, alerts_topic = cfg.topic("scores"), cfg.topic("alerts")
-        for s, value in zip(scores, encode_scores(scores, self.model_version), strict=True):
-            partition = s.position[0] if self.co_partitioned else None
-            out.records.append((scores_topic, s.account_id, value, partition))
-            if s.alert:
-                out.records.append((alerts_topic, s.account_id, value, partition))
-                out.alerts += 1
-            partition_of[s.account_id] = s.position[0]
-        out.scored = len(scores)
-        created = dict(zip(positions, created_ms, strict=True))  # duplicates dropped: no score
-        out.created_ms = [created[s.position] for s in scores]
-        # The terminal table, to its one partition: this batch's journal record (its labels' and events'
-        # terminal operations), the longest-changed terminals' snapshots, tombstones for journal records no
-        # longer needed, and the label positions the table now reflects (consumers/terminal_table.py).
-        for key, value in self.terminal_state.batch_records(self.labels.topic, self.labels.positions()):
-            out.records.append((self.table, key, value, 0))
-        # Only now forget the changed set: should anything below fail, the rewind evicts and restores.
-        changed = sorted(self.scorer.take_changed())
-        for account, state in zip(changed, self.scorer.account_states_bytes(changed), strict=True):
-            out.records.append((self.changelog, account, state, partition_of[account]))
-        out.seconds = {
-            "decode": decoded - started,
-            "score": scored - decoded,
-            "encode": time.monotonic() - scored,
-        }
-        return out
-
-    def _dead_letter(self, out: ScoredBatch, record, error: MessageError) -> None:
-        out.records.append(
-            (self.cfg.topic("dead_letter"), record.key, _dead_letter_value(record, error), None)
-        )
-        out.dead_lettered += 1
-
     def _count(self, committed: Committed) -> None:
         """Stats and metrics of a committed batch."""
         out = committed.batch
@@ -416,12 +356,14 @@ class _Service:
         self.stats.alerts += out.alerts
         self.stats.dead_lettered += out.dead_lettered
         self.stats.duplicates_dropped += out.duplicates_dropped
+        self.stats.labels_applied += out.labels_applied
         m = self.metrics
         m.inc("txsentinel_batches_total")
         m.inc("txsentinel_events_scored_total", out.scored)
         m.inc("txsentinel_alerts_total", out.alerts)
         m.inc("txsentinel_events_dead_lettered_total", out.dead_lettered)
         m.inc("txsentinel_duplicates_dropped_total", out.duplicates_dropped)
+        m.inc("txsentinel_labels_applied_total", out.labels_applied)
         m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         m.set("txsentinel_consumer_lag", self._lag())
         m.observe("txsentinel_batch_events", out.events)
@@ -471,18 +413,6 @@ class _Service:
                 self.consumer.seek(tp, committed)
 
     # -- labels and the terminal table -------------------------------------------------------------------
-    def _apply_labels(self, out: ScoredBatch) -> None:
-        """Read the labels committed so far, dead-letter bad ones, apply the rest."""
-        labels, bad = self.labels.catch_up()
-        for record, error in bad:
-            self._dead_letter(out, record, error)
-        if labels:
-            self.scorer.observe_labels(label_batch(labels))
-            self.stats.labels_applied += len(labels)
-        # Counted now, inside the transaction: an aborted batch reads these labels again and counts them twice
-        # (a counter for operators, not an exactly-once figure).
-        self.metrics.inc("txsentinel_labels_applied_total", len(labels))
-
     def _restore_terminals(self) -> None:
         positions, restored = terminal_table.restore_table(
             self.restorer, self.table, self.terminal_state, self.labels.topic, self.cfg.restore_timeout_s
@@ -597,17 +527,3 @@ def _merged(batches: list[dict]) -> dict:
         for tp, records in batch.items():
             merged[tp] = [*merged.get(tp, ()), *records]
     return merged
-
-
-def _dead_letter_value(record, error: MessageError) -> bytes:
-    # The original bytes travel base64-encoded: they may not be UTF-8, let alone JSON.
-    return json.dumps(
-        {
-            "reason": str(error),
-            "source_topic": record.topic,
-            "source_partition": record.partition,
-            "source_offset": record.offset,
-            "value_base64": None if record.value is None else base64.b64encode(record.value).decode(),
-        },
-        separators=(",", ":"),
-    ).encode()

@@ -10,6 +10,7 @@ batch. The consumer and producer are scripted stand-ins: what is under test is t
 
 import threading
 from collections import namedtuple
+from types import SimpleNamespace
 
 from kafka.errors import CommitFailedError, KafkaConnectionError
 from kafka.structs import OffsetAndMetadata, TopicPartition
@@ -134,7 +135,7 @@ def scripted_loop(polls, commits=()):
         producer.log.append("rewound " + events(batch))
         rewinds.append((batch, list(revoked)))
 
-    service._score, service._rewind = score, rewind
+    service.batches, service._rewind = SimpleNamespace(score=score), rewind
     service._rejoin = lambda: producer.log.append("rejoined")
     return service, producer.log, rewinds, stop
 
@@ -179,8 +180,8 @@ def test_a_batch_is_scored_while_the_previous_one_commits_and_sent_only_after_it
         [({P0: records(0, 1, 2)}, None), ({P0: records(0, 3), P1: records(1, 7)}, None)],
         commits=[slow_commit],
     )
-    score = service._score
-    service._score = lambda batch: (score(batch), batch.get(P1) and second_scored.set())[0]
+    score = service.batches.score
+    service.batches.score = lambda batch: (score(batch), batch.get(P1) and second_scored.set())[0]
     service.run(stop)
     assert overlapped == [True]  # the commit was still running when the next batch had been scored
     assert log == [
