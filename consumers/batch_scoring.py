@@ -4,6 +4,7 @@ In memory only: nothing is sent here (consumers/commit_pipeline.py sends it once
 has returned). In order:
 1. the labels committed so far are read and applied to the terminal-risk table (bad ones: dead letters);
 2. each message is decoded and validated (bad ones: dead letters with the reason and the original bytes);
+   accounts of the batch that memory let go of are read back from the changelog (consumers/dormant.py);
 3. Scorer.score, in partition order (one partition's records keep their order);
 4. records: scores (and alerts) to the input event's partition number, the terminal table's records, then
    the changed accounts' states to the changelog partition of the event that changed them.
@@ -12,10 +13,12 @@ has returned). In order:
 import base64
 import json
 import time
+from collections.abc import Callable
 
 from kafka.structs import OffsetAndMetadata
 
 from consumers.commit_pipeline import ScoredBatch
+from consumers.dormant import DormantStates, Place
 from consumers.labels import LabelReader, label_batch
 from consumers.messages import MessageError, decode_transaction, encode_scores
 from consumers.scorer import Scorer
@@ -32,8 +35,12 @@ class BatchScorer:
         terminal_state: TerminalTable,
         model_version: str,
         co_partitioned: bool,
+        dormant: DormantStates,
+        read_states: Callable[[dict[str, Place]], dict[str, bytes]],
     ):
         self.scorer, self.labels, self.terminal_state = scorer, labels, terminal_state
+        self.dormant, self.read_states = dormant, read_states  # read_states: consumers.compacted.read_at
+        self.seq = 0  # the last batch's
         self.model_version = model_version
         # Scores and alerts go to their input event's partition number when the topics have as many
         # partitions as `transactions` (those the service creates do): the key's partition under the default
@@ -47,7 +54,8 @@ class BatchScorer:
     def score(self, batch: dict) -> ScoredBatch:
         """Decode, apply labels, score and encode a polled batch ({TopicPartition: records})."""
         started = time.monotonic()
-        out = ScoredBatch(batch)
+        self.seq += 1
+        out = ScoredBatch(batch, seq=self.seq)
         self._apply_labels(out)  # labels committed before this batch count for all its events
         transactions, positions, created_ms = [], [], []
         for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
@@ -62,6 +70,7 @@ class BatchScorer:
                     created_ms.append(record.timestamp)
                 except MessageError as error:
                     self._dead_letter(out, record, error)
+        self._bring_back(out, {tx.account_id for tx in transactions})
         dropped_before = self.scorer.stats.duplicates_dropped
         decoded = time.monotonic()
         scores = self.scorer.score(transactions, positions)
@@ -93,6 +102,16 @@ class BatchScorer:
             "encode": time.monotonic() - scored,
         }
         return out
+
+    def _bring_back(self, out: ScoredBatch, accounts: set[str]) -> None:
+        """Read the states of the batch's dormant accounts back from the changelog (consumers/dormant.py)."""
+        self.dormant.touched(accounts, out.seq)
+        returning = self.dormant.returning(accounts, self.scorer.accounts_in_memory)
+        if not returning:
+            return
+        for account, value in self.read_states(returning).items():
+            self.scorer.restore_account(account, value)
+        out.reloaded = len(returning)
 
     def _dead_letter(self, out: ScoredBatch, record, error: MessageError) -> None:
         out.records.append((self.dead_letter_topic, record.key, dead_letter_value(record, error), None))

@@ -39,6 +39,7 @@ class ScoredBatch:
     """A polled batch, scored in memory, and everything its transaction will write."""
 
     polled: dict[TopicPartition, list]  # the consumer's records: what a rewind seeks back over
+    seq: int = 0  # numbers the batches scored by this instance, from 1
     records: list[OutputRecord] = field(default_factory=list)  # in send order
     offsets: dict[TopicPartition, OffsetAndMetadata] = field(default_factory=dict)  # next offset to read
     events: int = 0  # polled records, dead letters included
@@ -47,9 +48,11 @@ class ScoredBatch:
     dead_lettered: int = 0
     duplicates_dropped: int = 0
     labels_applied: int = 0  # fraud and not-fraud labels read and applied before the batch's events
+    reloaded: int = 0  # dormant accounts' states read back from the changelog for this batch
     created_ms: list[float] = field(default_factory=list)  # the scored events' produce times (latency)
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds of main-thread work
     waited_s: float = 0.0  # for the previous batch's commit, before this one could be sent
+    sent: list = field(default_factory=list)  # kafka-python's futures of `records`, once published
 
 
 @dataclass
@@ -78,8 +81,10 @@ class TransactionPipeline:
         producer = self.producer
         producer.begin_transaction()
         self.open = True
-        for topic, key, value, partition in batch.records:
+        batch.sent = [
             producer.send(topic, key=key, value=value, partition=partition)
+            for topic, key, value, partition in batch.records
+        ]
         future = self.committer.submit(self._commit, batch.offsets, group_metadata)
         self.in_flight = (batch, future)
 

@@ -9,6 +9,7 @@ stuck restore into an error that says how far it got; progress is logged on long
 
 import logging
 import time
+from collections import OrderedDict
 
 from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
@@ -26,12 +27,89 @@ def read_latest(
     Keys are UTF-8 (account and terminal ids). `reader` is assigned the partitions and unassigned after.
     Raises TimeoutError past `timeout_s`, naming what was left, and ValueError for a record without a key.
     """
+    latest: dict[str, bytes | None] = {}
+    read = 0
+    for key, record in _records(reader, topic, partitions, timeout_s):
+        latest[key] = record.value  # the last record per key wins
+        read += 1
+    return latest, read
+
+
+def read_recent(
+    reader: KafkaConsumer, topic: str, partitions: list[int], timeout_s: float, keep: int
+) -> tuple[dict[str, bytes], dict[str, tuple[int, int]], int]:
+    """Like read_latest, in bounded memory: (values, where, records read).
+
+    values: the last values of the live keys written most recently (in the order read), at most `keep` of
+    them (fewer when a key they displaced was deleted later). where: every live key -> (partition, offset)
+    of its last record, which compaction keeps, so read_at finds it later. Deleted keys are in neither.
+    """
+    recent: OrderedDict[str, bytes] = OrderedDict()
+    where: dict[str, tuple[int, int]] = {}
+    read = 0
+    for key, record in _records(reader, topic, partitions, timeout_s):
+        read += 1
+        recent.pop(key, None)
+        if record.value is None:
+            where.pop(key, None)
+            continue
+        where[key] = (record.partition, record.offset)
+        recent[key] = record.value
+        if len(recent) > keep:
+            recent.popitem(last=False)
+    return dict(recent), where, read
+
+
+def read_at(
+    reader: KafkaConsumer, topic: str, wanted: dict[str, tuple[int, int]], timeout_s: float
+) -> dict[str, bytes]:
+    """{key: value} of the records at wanted[key] = (partition, offset): one seek per run of records.
+
+    Raises ValueError if a record there has another key or none (the place was not the key's last record),
+    TimeoutError past `timeout_s`.
+    """
+    started = time.monotonic()
+    by_partition: dict[int, dict[int, str]] = {}
+    for key, (partition, offset) in wanted.items():
+        by_partition.setdefault(partition, {})[offset] = key
+    reader.assign([TopicPartition(topic, p) for p in sorted(by_partition)])
+    found: dict[str, bytes] = {}
+    try:
+        for partition, keys_at in sorted(by_partition.items()):
+            tp = TopicPartition(topic, partition)
+            for offset in sorted(keys_at):
+                if keys_at[offset] in found:
+                    continue  # came with an earlier seek's records
+                reader.seek(tp, offset)
+                while keys_at[offset] not in found:
+                    if time.monotonic() - started > timeout_s:
+                        raise TimeoutError(
+                            f"reading {len(wanted)} records of {topic!r} took over {timeout_s} s; "
+                            f"{len(wanted) - len(found)} left, the next at partition {partition} offset {offset}"
+                        )
+                    for record in reader.poll(timeout_ms=200).get(tp, ()):
+                        key = keys_at.get(record.offset)
+                        if key is None:
+                            continue
+                        if record.key is None or record.key.decode() != key or record.value is None:
+                            raise ValueError(
+                                f"{topic!r} partition {partition} offset {record.offset} holds "
+                                f"{record.key!r}, not the last record of {key!r} that was expected there"
+                            )
+                        found[key] = record.value
+    finally:
+        reader.unsubscribe()
+    return found
+
+
+def _records(reader: KafkaConsumer, topic: str, partitions: list[int], timeout_s: float):
+    """(key, record) for every record of the partitions, from their beginning to the end offsets seen at
+    the start (read_committed: the last stable offset)."""
     started = time.monotonic()
     tps = [TopicPartition(topic, p) for p in partitions]
     reader.assign(tps)
     reader.seek_to_beginning(*tps)
     end = reader.end_offsets(tps)
-    latest: dict[str, bytes | None] = {}
     read, next_log = 0, started + PROGRESS_EVERY_S
     while any(reader.position(tp) < end[tp] for tp in tps):
         now = time.monotonic()
@@ -53,7 +131,6 @@ def read_latest(
                         f"{topic!r} partition {record.partition} offset {record.offset} has no key: a compacted "
                         "state topic holds keyed records only; was another producer pointed at it?"
                     )
-                latest[record.key.decode()] = record.value  # the last record per key wins
                 read += 1
+                yield record.key.decode(), record
     reader.unsubscribe()
-    return latest, read

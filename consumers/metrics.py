@@ -22,6 +22,14 @@ METRICS = {
     "txsentinel_batches_total": ("counter", "Polls processed and committed in one transaction each."),
     "txsentinel_duplicates_dropped_total": ("counter", "Redelivered events already applied (not rescored)."),
     "txsentinel_aborted_transactions_total": ("counter", "Transactions aborted (batch redelivered)."),
+    "txsentinel_states_evicted_total": (
+        "counter",
+        "Dormant account states let go of from memory beyond max_states_in_memory.",
+    ),
+    "txsentinel_states_reloaded_total": (
+        "counter",
+        "Dormant account states read back from the changelog when their account returned.",
+    ),
     "txsentinel_restore_seconds_total": (
         "counter",
         "Time spent restoring account states from the changelog.",

@@ -43,7 +43,8 @@ from consumers import terminal_table
 from consumers.batch_limit import BatchLimit
 from consumers.batch_scoring import BatchScorer
 from consumers.commit_pipeline import Committed, ScoredBatch, TransactionPipeline
-from consumers.compacted import read_latest
+from consumers.compacted import read_at, read_recent
+from consumers.dormant import DormantStates
 from consumers.labels import LabelReader
 from consumers.metrics import Metrics, MetricsServer
 from consumers.scorer import Scorer
@@ -70,6 +71,8 @@ class ServeStats:
     restore_s: float = 0.0
     labels_applied: int = 0  # fraud and not-fraud labels read and applied (only fraud changes state)
     restored_terminals: int = 0  # terminal records read from the table, at start and after aborts
+    states_evicted: int = 0  # dormant accounts let go of beyond max_states_in_memory
+    states_reloaded: int = 0  # dormant accounts read back from the changelog when they returned
 
 
 def serve(
@@ -149,6 +152,7 @@ class _Service:
         self.pipeline: TransactionPipeline | None = None  # the producer, committing in the background
         self.failures = 0  # batches aborted in a row (commit refusals by the group aside)
         self.batches: BatchScorer | None = None  # polled batch -> records to send; built in start()
+        self.dormant = DormantStates(cfg.max_states_in_memory)
         self.rebalance_callbacks = 0  # revocations and assignments seen: _top_up checks for one in between
 
     def start(self, bootstrap: str) -> None:
@@ -197,8 +201,9 @@ class _Service:
         )
         self._restore_terminals()  # before joining the group: no event is scored without the table
         self.batches = BatchScorer(
-            cfg, self.scorer, self.labels, self.terminal_state, self.model_version, co_partitioned
-        )
+            cfg, self.scorer, self.labels, self.terminal_state, self.model_version, co_partitioned,
+            self.dormant, lambda wanted: read_at(self.restorer, self.changelog, wanted, cfg.restore_timeout_s),
+        )  # fmt: skip
         self.consumer = KafkaConsumer(
             bootstrap_servers=bootstrap,
             group_id=cfg.group_id,
@@ -357,6 +362,8 @@ class _Service:
         self.stats.dead_lettered += out.dead_lettered
         self.stats.duplicates_dropped += out.duplicates_dropped
         self.stats.labels_applied += out.labels_applied
+        self.stats.states_reloaded += out.reloaded
+        self._let_dormant_go(committed)
         m = self.metrics
         m.inc("txsentinel_batches_total")
         m.inc("txsentinel_events_scored_total", out.scored)
@@ -364,6 +371,7 @@ class _Service:
         m.inc("txsentinel_events_dead_lettered_total", out.dead_lettered)
         m.inc("txsentinel_duplicates_dropped_total", out.duplicates_dropped)
         m.inc("txsentinel_labels_applied_total", out.labels_applied)
+        m.inc("txsentinel_states_reloaded_total", out.reloaded)
         m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         m.set("txsentinel_consumer_lag", self._lag())
         m.observe("txsentinel_batch_events", out.events)
@@ -377,6 +385,22 @@ class _Service:
                 "batch events=%d scored=%d %s wait_s=%.4f commit_s=%.4f",
                 out.events, out.scored, phases, out.waited_s, committed.seconds,
             )  # fmt: skip
+
+    def _let_dormant_go(self, committed: Committed) -> None:
+        """Note where the committed batch's state records went; evict what memory holds beyond capacity."""
+        out = committed.batch
+        self.dormant.committed(
+            {
+                key: (partition, future.value.offset)
+                for (topic, key, _, partition), future in zip(out.records, out.sent, strict=True)
+                if topic == self.changelog
+            }
+        )
+        evicted = self.dormant.to_evict(self.scorer.accounts_in_memory, out.seq)
+        for account in evicted:
+            self.scorer.evict(account)  # its latest state is a committed record: it comes back exactly
+        self.stats.states_evicted += len(evicted)
+        self.metrics.inc("txsentinel_states_evicted_total", len(evicted))
 
     def _lag(self) -> int:
         """Records of the assigned partitions behind their high watermark (known from the last fetches)."""
@@ -433,6 +457,7 @@ class _Service:
                 self.scorer.evict(account, discard_changes=True)
                 evicted += 1
         self.assigned -= set(partitions)
+        self.dormant.drop_partitions(partitions)
         self.stats.rebalances += 1
         self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
         self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
@@ -481,13 +506,17 @@ class _Service:
         if not partitions:
             return
         started = time.monotonic()
-        latest, read = read_latest(self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s)
-        restored = 0
+        # Memory takes the accounts written most recently, up to its capacity; the others stay dormant in
+        # the changelog, their places noted, until they return (consumers/dormant.py).
+        room = max(self.dormant.capacity - len(self.scorer.accounts_in_memory), 0)
+        latest, where, read = read_recent(
+            self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s, keep=room
+        )
         for account, value in latest.items():
-            if value is None:
-                continue  # a tombstone: the account was deleted
             self.scorer.restore_account(account, value)  # refuses another model's state, saying what to do
-            restored += 1
+        restored = len(latest)
+        self.dormant.drop_partitions(partitions)
+        self.dormant.restored(where, latest, self.batches.seq if self.batches else 0)
         seconds = time.monotonic() - started
         self.stats.restored_states += restored
         self.stats.restore_s += seconds
@@ -495,12 +524,9 @@ class _Service:
         self.metrics.inc("txsentinel_restored_states_total", restored)
         self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         log.info(
-            "restore done partitions=%s records=%d states=%d seconds=%.3f",
-            partitions,
-            read,
-            restored,
-            seconds,
-        )
+            "restore done partitions=%s records=%d states=%d dormant=%d seconds=%.3f",
+            partitions, read, restored, len(where) - restored, seconds,
+        )  # fmt: skip
 
     def close(self) -> None:
         parts = (

@@ -68,6 +68,10 @@ class ServeConfig:
     # writing that commit's markers; it answers CONCURRENT_TRANSACTIONS and the client retries after this
     # backoff (kafka-python's default of 100 ms put p90 latency at a trickle from 20 to ~100 ms).
     producer_retry_backoff_ms: int = 10
+    # Account states held in memory; the least recently active beyond this wait in the changelog and are read
+    # back when their account returns (consumers/dormant.py). An account's state record is ~1.6 KB for the
+    # default LSTM and ~9.3 KB for the default linear Transformer; a dormant account costs ~190 bytes.
+    max_states_in_memory: int = 500_000
     restore_timeout_s: float = 300.0  # per assignment: reading the changelog partitions of new partitions
     threshold: float | None = None  # alert threshold on the probability; None: the model's own
     metrics_port: int = 0  # 0: no metrics endpoint
@@ -88,6 +92,7 @@ class ServeConfig:
             ("producer_retry_backoff_ms", 0),
             ("fresh_fetch_ms", 0),  # 0: off
             ("terminal_snapshot_batches", 1),
+            ("max_states_in_memory", 1),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

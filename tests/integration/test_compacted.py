@@ -5,7 +5,7 @@ import uuid
 import pytest
 from kafka import KafkaConsumer, KafkaProducer
 
-from consumers.compacted import read_latest
+from consumers.compacted import read_at, read_latest, read_recent
 
 pytestmark = [pytest.mark.kafka]
 
@@ -58,5 +58,32 @@ def test_a_keyless_record_is_refused_naming_where_it_is(kafka_bootstrap, topic_f
     try:
         with pytest.raises(ValueError, match=r"partition 0 offset 1 has no key"):
             read_latest(consumer, topic, [0], timeout_s=30)
+    finally:
+        consumer.close()
+
+
+def test_bounded_read_keeps_the_latest_written_and_where_each_live_key_is(kafka_bootstrap, topic_factory):
+    topic = topic_factory("compacted", partitions=2)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    for key, value, partition in [
+        ("a", b"a1", 0), ("b", b"b1", 1), ("c", b"c1", 0), ("a", b"a2", 0), ("d", b"d1", 1), ("b", None, 1),
+    ]:  # fmt: skip
+        producer.send(topic, key=key.encode(), value=value, partition=partition)
+    producer.flush()
+    producer.close()
+    consumer = reader(kafka_bootstrap)
+    try:
+        # Which keys are "written last" depends on how the partitions interleave in the read, and a key
+        # deleted late leaves its room empty: up to two of the live ones.
+        values, where, read = read_recent(consumer, topic, [0, 1], timeout_s=30, keep=2)
+        assert read == 6 and where == {"a": (0, 2), "c": (0, 1), "d": (1, 1)}  # b was deleted
+        assert 1 <= len(values) <= 2 and values.items() <= {"a": b"a2", "c": b"c1", "d": b"d1"}.items()
+        everything, _, _ = read_recent(consumer, topic, [0, 1], timeout_s=30, keep=10)
+        assert everything == {"a": b"a2", "c": b"c1", "d": b"d1"}
+
+        assert read_at(consumer, topic, where, timeout_s=30) == everything  # each read back from its place
+        assert consumer.assignment() == set()
+        with pytest.raises(ValueError, match=r"offset 0 holds b'a', not the last record of 'c'"):
+            read_at(consumer, topic, {"c": (0, 0)}, timeout_s=30)
     finally:
         consumer.close()

@@ -174,6 +174,31 @@ def test_a_restarted_service_resumes_from_committed_offsets_and_changelog_state(
     assert_same_scores(by_event, Scorer(load_model(model_dir)).score(events))
 
 
+def test_dormant_accounts_leave_memory_and_come_back_exactly_across_a_restart(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    """Memory for 5 of the 20 accounts: the others wait in the changelog and are read back when they
+    return, during the run and after a restart, which loads only the 5 written last; no score changes."""
+    cfg = service_cfg(max_poll_records=10, max_states_in_memory=5)
+    events = transactions_from_frame(frame)
+    messages = [(t.account_id, encode_transaction(t)) for t in events]
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
+    split = len(events) // 2
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[:split])
+    first = Running(cfg, model_dir, kafka_bootstrap)
+    wait_for_scores(kafka_bootstrap, cfg.topic("scores"), split, first)
+    first_stats = first.stop()
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[split:])
+    second = Running(cfg, model_dir, kafka_bootstrap)
+    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), second)
+    second_stats = second.stop()
+
+    assert_same_scores(assert_exactly_once(scores, events), Scorer(load_model(model_dir)).score(events))
+    for stats in (first_stats, second_stats):
+        assert stats.states_evicted > 0 and stats.states_reloaded > 0
+    assert second_stats.restored_states == 5  # the rest of the 20 stayed dormant until they returned
+
+
 def test_a_killed_service_loses_nothing_and_scores_nothing_twice(
     kafka_bootstrap, service_cfg, frame, model_dir
 ):
