@@ -327,10 +327,12 @@ def run_stream_bench(
     half_rate_seconds: float = 20.0,
     core: int | None = -1,
     timeout_s: float = 600.0,
+    settings: dict | None = None,
 ) -> dict:
     """Benchmark one model (a LoadedModel or a model directory/URI loadable by the service) on `bootstrap`.
 
     core: the CPU the service and the raw loop are pinned to (-1: the highest allowed; None: no pinning).
+    settings: serve settings for the service runs (e.g. {"max_states_in_memory": 300}); not the raw loop.
     Returns {"service": {...}, "raw": {...}, "half_rate": {...}, "ratio": service/raw, ...}.
     """
     from pipeline.artifact import LoadedModel, save_model_dir
@@ -349,6 +351,7 @@ def run_stream_bench(
             "max_poll_records": max_poll_records,
             "transactions_partitions": partitions,
             "poll_timeout_ms": 100,
+            **(settings or {}),
         }
         try:
             full = _service_run(
@@ -377,6 +380,7 @@ def run_stream_bench(
         "mode": "service and raw loop each in a spawned subprocess pinned to one core",
         "max_poll_records": max_poll_records,
         "partitions": partitions,
+        "settings": settings or {},
     }
 
 
@@ -431,7 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--max-poll-records", type=int, default=500)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a serve setting (repeatable)")
     args = parser.parse_args(argv)
+    from consumers.service_config import load_serve_config, parse_settings
+
+    settings = parse_settings(args.set)
+    load_serve_config(config_file=None, overrides=settings, env={})  # a bad setting fails now, not in a child
 
     from consumers.broker import project_broker
 
@@ -442,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             print(log_prefix, f"{name}: {args.events} events on {bootstrap} ...", flush=True)
             results[name] = run_stream_bench(
                 model_dir, bootstrap, events=args.events, partitions=args.partitions,
-                max_poll_records=args.max_poll_records,
+                max_poll_records=args.max_poll_records, settings=settings,
             )  # fmt: skip
             print(log_prefix, json.dumps(results[name], default=float), flush=True)
     print(format_table(results))

@@ -63,40 +63,53 @@ def read_recent(
 def read_at(
     reader: KafkaConsumer, topic: str, wanted: dict[str, tuple[int, int]], timeout_s: float
 ) -> dict[str, bytes]:
-    """{key: value} of the records at wanted[key] = (partition, offset): one seek per run of records.
+    """{key: value} of the records at wanted[key] = (partition, offset).
 
-    Raises ValueError if a record there has another key or none (the place was not the key's last record),
-    TimeoutError past `timeout_s`.
+    Each round seeks every partition to its lowest offset still wanted and polls once: one fetch serves
+    all partitions, and a response brings every wanted record within its ~1 MB. Raises ValueError if a
+    record there has another key or none (the place was not the key's last record), TimeoutError past
+    `timeout_s`.
     """
     started = time.monotonic()
-    by_partition: dict[int, dict[int, str]] = {}
+    pending: dict[TopicPartition, dict[int, str]] = {}  # partition -> {offset: key} still to read
     for key, (partition, offset) in wanted.items():
-        by_partition.setdefault(partition, {})[offset] = key
-    reader.assign([TopicPartition(topic, p) for p in sorted(by_partition)])
+        pending.setdefault(TopicPartition(topic, partition), {})[offset] = key
+    reader.assign(list(pending))
     found: dict[str, bytes] = {}
+    position: dict[TopicPartition, int] = {}  # where the reader is in each partition
     try:
-        for partition, keys_at in sorted(by_partition.items()):
-            tp = TopicPartition(topic, partition)
-            for offset in sorted(keys_at):
-                if keys_at[offset] in found:
-                    continue  # came with an earlier seek's records
-                reader.seek(tp, offset)
-                while keys_at[offset] not in found:
-                    if time.monotonic() - started > timeout_s:
-                        raise TimeoutError(
-                            f"reading {len(wanted)} records of {topic!r} took over {timeout_s} s; "
-                            f"{len(wanted) - len(found)} left, the next at partition {partition} offset {offset}"
+        while pending:
+            if time.monotonic() - started > timeout_s:
+                left = {tp.partition: sorted(offsets)[:5] for tp, offsets in pending.items()}
+                raise TimeoutError(
+                    f"reading {len(wanted)} records of {topic!r} took over {timeout_s} s; "
+                    f"{len(wanted) - len(found)} left, the first at (partition: offsets) {left}"
+                )
+            for tp, keys_at in pending.items():
+                if position.get(tp) != min(keys_at):  # not again while its fetch is on the way
+                    position[tp] = min(keys_at)
+                    reader.seek(tp, position[tp])
+            for tp, records in reader.poll(timeout_ms=200).items():
+                keys_at = pending.get(tp, {})
+                for record in records:
+                    key = keys_at.pop(record.offset, None)
+                    if key is None:
+                        continue
+                    if record.key is None or record.key.decode() != key or record.value is None:
+                        raise ValueError(
+                            f"{topic!r} partition {tp.partition} offset {record.offset} holds "
+                            f"{record.key!r}, not the last record of {key!r} that was expected there"
                         )
-                    for record in reader.poll(timeout_ms=200).get(tp, ()):
-                        key = keys_at.get(record.offset)
-                        if key is None:
-                            continue
-                        if record.key is None or record.key.decode() != key or record.value is None:
-                            raise ValueError(
-                                f"{topic!r} partition {partition} offset {record.offset} holds "
-                                f"{record.key!r}, not the last record of {key!r} that was expected there"
-                            )
-                        found[key] = record.value
+                    found[key] = record.value
+            for tp, keys_at in pending.items():
+                position[tp] = reader.position(tp)  # past what was read, aborted records included
+                skipped = sorted(offset for offset in keys_at if offset < position[tp])
+                if skipped:
+                    raise ValueError(
+                        f"{topic!r} partition {tp.partition} has no record at offset {skipped[0]} (read "
+                        f"committed), where the last record of {keys_at[skipped[0]]!r} was expected"
+                    )
+            pending = {tp: keys_at for tp, keys_at in pending.items() if keys_at}
     finally:
         reader.unsubscribe()
     return found

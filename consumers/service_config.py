@@ -119,6 +119,17 @@ class ServeConfig:
         return dict(self.security)
 
 
+def parse_settings(items: list[str] | None) -> dict[str, Any]:
+    """`--set KEY=VALUE` flags -> overrides; each value is read as YAML (200 -> int, null -> None)."""
+    overrides = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected key=value, e.g. --set max_poll_records=200")
+        overrides[key.strip()] = yaml.safe_load(text)
+    return overrides
+
+
 def security_from_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple((setting, env[var]) for var, setting in SECURITY_ENV.items() if env.get(var))
 

@@ -75,18 +75,11 @@ def _promote(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    import yaml
-
     from consumers.service import serve
-    from consumers.service_config import DEFAULT_CONFIG_FILE, load_serve_config
+    from consumers.service_config import DEFAULT_CONFIG_FILE, load_serve_config, parse_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    overrides = {}
-    for item in args.set or []:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected key=value, e.g. --set max_poll_records=200")
-        overrides[key.strip()] = yaml.safe_load(text)
+    overrides = parse_settings(args.set)
     if args.group_id:
         overrides["group_id"] = args.group_id
     cfg = load_serve_config(args.config or DEFAULT_CONFIG_FILE, overrides)
@@ -135,6 +128,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         argv = ["--events", str(args.events), "--max-poll-records", str(args.max_poll_records)]
         argv += ["--detectors", *(args.models or ["lstm", "linear_transformer"])]
+        argv += [f"--set={item}" for item in args.set or []]
         return run_stream_bench(argv)
     elif args.bench == "replay":
         from pipeline.bench import run_replay_bench
@@ -281,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=500,
         help="the service's and the raw loop's poll size (default 500)",
+    )
+    b.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="a serve setting for the service (repeatable)"
     )
     b.set_defaults(run=_bench)
     b = bench.add_parser("replay", help="history replayed through the live scorer (the backtest path)")

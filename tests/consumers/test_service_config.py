@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from consumers.service_config import DEFAULT_CONFIG_FILE, ServeConfig, load_serve_config
+from consumers.service_config import DEFAULT_CONFIG_FILE, ServeConfig, load_serve_config, parse_settings
 
 
 def test_the_shipped_file_says_what_the_defaults_say():
@@ -51,3 +51,10 @@ def test_secrets_are_refused_in_a_file_and_taken_from_the_environment_only(tmp_p
 def test_a_bad_value_is_refused_with_its_name(setting, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_serve_config(None, overrides={setting: value}, env={})
+
+
+def test_set_flags_are_read_as_yaml_values_and_a_flag_without_a_value_is_refused():
+    flags = ["max_states_in_memory=300", "threshold=null", "group_id = g-1"]
+    assert parse_settings(flags) == {"max_states_in_memory": 300, "threshold": None, "group_id": "g-1"}
+    with pytest.raises(ValueError, match="--set 'max_poll_records': expected key=value"):
+        parse_settings(["max_poll_records"])

@@ -85,5 +85,16 @@ def test_bounded_read_keeps_the_latest_written_and_where_each_live_key_is(kafka_
         assert consumer.assignment() == set()
         with pytest.raises(ValueError, match=r"offset 0 holds b'a', not the last record of 'c'"):
             read_at(consumer, topic, {"c": (0, 0)}, timeout_s=30)
+        zombie = KafkaProducer(
+            bootstrap_servers=kafka_bootstrap, transactional_id=f"t-{uuid.uuid4().hex[:8]}"
+        )
+        zombie.init_transactions()
+        zombie.begin_transaction()
+        zombie.send(topic, key=b"e", value=b"e-aborted", partition=1)  # offset 3
+        zombie.flush()
+        zombie.abort_transaction()
+        zombie.close()
+        with pytest.raises(ValueError, match=r"partition 1 has no record at offset 3 .* of 'e' was expected"):
+            read_at(consumer, topic, {"e": (1, 3)}, timeout_s=30)
     finally:
         consumer.close()
