@@ -1,15 +1,19 @@
 """Read compacted topics back into memory: the account-state changelog and the terminal-risk table.
 
-Both are restored the same way: a group-less read_committed consumer is assigned the partitions, reads
-them from their beginning up to the end offsets seen at the start (for read_committed, the last stable
-offset: a zombie's open transaction delays the restore until the broker aborts it, and never lets its
-records in), and the last record per key wins, as it will once the cleaner has run. A deadline turns a
-stuck restore into an error that says how far it got; progress is logged on long restores.
+Both are restored the same way: a group-less read_committed consumer is assigned the partitions and reads
+them from their beginning up to their high watermarks as they stood at the start, and the last record per key
+wins, as it will once the cleaner has run. The high watermark, not the last stable offset: an open
+transaction holds read_committed readers at its first record, and records committed after it began lie
+beyond. Stopping there would miss them, so the read waits until the transaction ends (its producer commits
+or aborts; the broker aborts a crashed producer's after its transaction_timeout_ms; a successor with the
+same transactional id aborts it at once). Aborted records never count. A deadline turns a stuck restore
+into an error that says how far it got; progress is logged on long restores.
 """
 
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
@@ -19,8 +23,34 @@ log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 5.0
 
 
+@dataclass
+class Reader:
+    """What compacted topics are read with: a group-less read_committed consumer, and a read_uncommitted
+    one that only asks how far partitions go (their high watermarks, open transactions included)."""
+
+    committed: KafkaConsumer
+    watermarks: KafkaConsumer
+
+    @classmethod
+    def connect(cls, bootstrap: str, client_id: str, **settings) -> "Reader":
+        def consumer(isolation_level: str, suffix: str) -> KafkaConsumer:
+            return KafkaConsumer(
+                bootstrap_servers=bootstrap,
+                isolation_level=isolation_level,
+                enable_auto_commit=False,
+                client_id=client_id + suffix,
+                **settings,
+            )
+
+        return cls(consumer("read_committed", ""), consumer("read_uncommitted", "-watermarks"))
+
+    def close(self) -> None:
+        self.committed.close()
+        self.watermarks.close()
+
+
 def read_latest(
-    reader: KafkaConsumer, topic: str, partitions: list[int], timeout_s: float
+    reader: Reader, topic: str, partitions: list[int], timeout_s: float
 ) -> tuple[dict[str, bytes | None], int]:
     """({key: last value, None for a tombstone}, records read) of `partitions` of `topic`.
 
@@ -36,7 +66,7 @@ def read_latest(
 
 
 def read_recent(
-    reader: KafkaConsumer, topic: str, partitions: list[int], timeout_s: float, keep: int
+    reader: Reader, topic: str, partitions: list[int], timeout_s: float, keep: int
 ) -> tuple[dict[str, bytes], dict[str, tuple[int, int]], int]:
     """Like read_latest, in bounded memory: (values, where, records read).
 
@@ -61,7 +91,7 @@ def read_recent(
 
 
 def read_at(
-    reader: KafkaConsumer, topic: str, wanted: dict[str, tuple[int, int]], timeout_s: float
+    reader: Reader, topic: str, wanted: dict[str, tuple[int, int]], timeout_s: float
 ) -> dict[str, bytes]:
     """{key: value} of the records at wanted[key] = (partition, offset).
 
@@ -71,10 +101,11 @@ def read_at(
     `timeout_s`.
     """
     started = time.monotonic()
+    consumer = reader.committed
     pending: dict[TopicPartition, dict[int, str]] = {}  # partition -> {offset: key} still to read
     for key, (partition, offset) in wanted.items():
         pending.setdefault(TopicPartition(topic, partition), {})[offset] = key
-    reader.assign(list(pending))
+    consumer.assign(list(pending))
     found: dict[str, bytes] = {}
     position: dict[TopicPartition, int] = {}  # where the reader is in each partition
     try:
@@ -88,8 +119,8 @@ def read_at(
             for tp, keys_at in pending.items():
                 if position.get(tp) != min(keys_at):  # not again while its fetch is on the way
                     position[tp] = min(keys_at)
-                    reader.seek(tp, position[tp])
-            for tp, records in reader.poll(timeout_ms=200).items():
+                    consumer.seek(tp, position[tp])
+            for tp, records in consumer.poll(timeout_ms=200).items():
                 keys_at = pending.get(tp, {})
                 for record in records:
                     key = keys_at.pop(record.offset, None)
@@ -102,7 +133,7 @@ def read_at(
                         )
                     found[key] = record.value
             for tp, keys_at in pending.items():
-                position[tp] = reader.position(tp)  # past what was read, aborted records included
+                position[tp] = consumer.position(tp)  # past what was read, aborted records included
                 skipped = sorted(offset for offset in keys_at if offset < position[tp])
                 if skipped:
                     raise ValueError(
@@ -111,33 +142,36 @@ def read_at(
                     )
             pending = {tp: keys_at for tp, keys_at in pending.items() if keys_at}
     finally:
-        reader.unsubscribe()
+        consumer.unsubscribe()
     return found
 
 
-def _records(reader: KafkaConsumer, topic: str, partitions: list[int], timeout_s: float):
-    """(key, record) for every record of the partitions, from their beginning to the end offsets seen at
-    the start (read_committed: the last stable offset)."""
+def _records(reader: Reader, topic: str, partitions: list[int], timeout_s: float):
+    """(key, record) for every committed record of the partitions, from their beginning to their high
+    watermarks at the start, waiting out transactions still open there (module docstring)."""
     started = time.monotonic()
     tps = [TopicPartition(topic, p) for p in partitions]
-    reader.assign(tps)
-    reader.seek_to_beginning(*tps)
-    end = reader.end_offsets(tps)
+    consumer = reader.committed
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    end = reader.watermarks.end_offsets(tps)
     read, next_log = 0, started + PROGRESS_EVERY_S
-    while any(reader.position(tp) < end[tp] for tp in tps):
+    while any(consumer.position(tp) < end[tp] for tp in tps):
         now = time.monotonic()
         if now - started > timeout_s:
-            left = {tp.partition: end[tp] - reader.position(tp) for tp in tps}
+            left = {tp.partition: end[tp] - consumer.position(tp) for tp in tps}
             raise TimeoutError(
                 f"restoring {topic!r} partitions {partitions} took over {timeout_s} s with {left} records "
-                "left; raise restore_timeout_s or check the broker"
+                "left. A transaction still open there holds the read (a crashed instance's: the broker "
+                "aborts it after its transaction_timeout_ms, or at once when an instance with the same "
+                "instance_id starts); raise restore_timeout_s or check the broker"
             )
         if now >= next_log:
             log.info(
                 "restore progress topic=%s partitions=%s records=%d end=%s", topic, partitions, read, end
             )
             next_log = now + PROGRESS_EVERY_S
-        for records in reader.poll(timeout_ms=200).values():
+        for records in consumer.poll(timeout_ms=200).values():
             for record in records:
                 if record.key is None:
                     raise ValueError(
@@ -146,4 +180,4 @@ def _records(reader: KafkaConsumer, topic: str, partitions: list[int], timeout_s
                     )
                 read += 1
                 yield record.key.decode(), record
-    reader.unsubscribe()
+    consumer.unsubscribe()

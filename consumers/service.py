@@ -43,7 +43,7 @@ from consumers import terminal_table
 from consumers.batch_limit import BatchLimit
 from consumers.batch_scoring import BatchScorer
 from consumers.commit_pipeline import Committed, ScoredBatch, TransactionPipeline
-from consumers.compacted import read_at, read_recent
+from consumers.compacted import Reader, read_at, read_recent
 from consumers.dormant import DormantStates
 from consumers.labels import LabelReader
 from consumers.metrics import Metrics, MetricsServer
@@ -161,19 +161,15 @@ class _Service:
         security = cfg.kafka_security
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port)
-        # Reads changelog partitions on assignment; no group, so it never joins or commits anything.
-        self.restorer = KafkaConsumer(
-            bootstrap_servers=bootstrap,
-            isolation_level="read_committed",
-            enable_auto_commit=False,
-            client_id="txsentinel-serve-restore",
-            **security,
-        )
-        # A unique transactional id per instance: zombies of an older group generation are fenced by
-        # send_offsets_to_transaction (KIP-447), not by sharing an id.
+        # Reads the changelog on assignment and the terminal table; no group, so it never joins or commits.
+        self.restorer = Reader.connect(bootstrap, "txsentinel-serve-restore", **security)
+        # Zombies of an older group generation are fenced by send_offsets_to_transaction (KIP-447), whatever
+        # the id. A stable id (instance_id) also lets init_transactions abort a crashed predecessor's
+        # transaction at once.
+        transactional_id = f"{cfg.transactional_id_prefix}-{cfg.instance_id or uuid.uuid4().hex[:12]}"
         self.producer = KafkaProducer(
             bootstrap_servers=bootstrap,
-            transactional_id=f"{cfg.transactional_id_prefix}-{uuid.uuid4().hex[:12]}",
+            transactional_id=transactional_id,
             transaction_timeout_ms=cfg.transaction_timeout_ms,
             linger_ms=cfg.producer_linger_ms,
             batch_size=cfg.producer_batch_bytes,
@@ -181,7 +177,7 @@ class _Service:
             key_serializer=KEYS,
             **security,
         )
-        self.producer.init_transactions()
+        self.producer.init_transactions()  # with a stable id: fences and aborts the predecessor's transaction
         self.pipeline = TransactionPipeline(self.producer)
         counts = {}
         for name in ("scores", "alerts", "dead_letter", "changelog", "terminal_table"):
@@ -218,8 +214,9 @@ class _Service:
         )
         self._subscribe()
         log.info(
-            "serve started topic=%s partitions=%d group=%s model=%s threshold=%.4f",
-            self.topic, self.partitions, cfg.group_id, self.model_version, self.scorer.threshold,
+            "serve started topic=%s partitions=%d group=%s transactional_id=%s model=%s threshold=%.4f",
+            self.topic, self.partitions, cfg.group_id, transactional_id, self.model_version,
+            self.scorer.threshold,
         )  # fmt: skip
 
     # -- the loop ----------------------------------------------------------------------------------------
@@ -533,7 +530,7 @@ class _Service:
             ("consumer", self.consumer, lambda c: c.close(autocommit=False)),
             ("producer", self.producer, lambda p: p.close(timeout=10)),
             ("committer", self.pipeline, lambda p: p.close()),
-            ("restore consumer", self.restorer, lambda c: c.close()),
+            ("restore consumers", self.restorer, lambda r: r.close()),
             ("labels consumer", self.label_consumer, lambda c: c.close()),
             ("metrics", self.metrics_server, lambda m: m.close()),
         )

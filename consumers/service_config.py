@@ -56,6 +56,11 @@ class ServeConfig:
     # How long the group waits for a silent (crashed) member before moving its partitions elsewhere.
     session_timeout_ms: int = 45_000
     transactional_id_prefix: str = "txsentinel-scorer"
+    # A stable name for this instance (e.g. its pod name: --set instance_id=$HOSTNAME). Its transactional id
+    # is then {transactional_id_prefix}-{instance_id}, and a restarted instance aborts the open transaction its
+    # crashed predecessor left (init_transactions) instead of every reader waiting transaction_timeout_ms.
+    # Two live instances must never share one: the later fences the earlier. None: a random id per start.
+    instance_id: str | None = None
     # How long the broker keeps a crashed instance's open transaction before aborting it; until then
     # read_committed readers of its output partitions (and the changelog restore) wait behind it.
     transaction_timeout_ms: int = 60_000
@@ -106,6 +111,12 @@ class ServeConfig:
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(
                 f"serve config: threshold = {self.threshold!r}, expected a probability in [0, 1]"
+            )
+        if self.instance_id is not None and (
+            not isinstance(self.instance_id, str) or not self.instance_id.strip()
+        ):
+            raise ValueError(
+                f"serve config: instance_id = {self.instance_id!r}, expected a non-empty name or null"
             )
         if not self.group_id:
             raise ValueError("serve config: group_id is empty; every service instance needs its group")

@@ -61,9 +61,8 @@ import time
 from collections import deque
 
 import numpy as np
-from kafka import KafkaConsumer
 
-from consumers.compacted import read_latest
+from consumers.compacted import Reader, read_latest
 from pipeline.features.definitions import FEATURE_VERSION
 from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable
 from pipeline.features.stream import StreamingFeaturizer, TerminalOp
@@ -246,12 +245,12 @@ def _journal_seq(key: str) -> int:
 
 
 def restore_table(
-    reader: KafkaConsumer, topic: str, table: TerminalTable, labels_topic: str, timeout_s: float
+    reader: Reader, topic: str, table: TerminalTable, labels_topic: str, timeout_s: float
 ) -> tuple[dict[int, int], int]:
     """Replace the featurizer's terminal table with the topic's; returns (label positions, terminals).
 
-    `reader` is a group-less consumer (read_committed); it is assigned the table partition and unassigned
-    afterwards. Raises TimeoutError past `timeout_s`.
+    `reader` (consumers/compacted.py) is assigned the table partition and unassigned afterwards. Raises
+    TimeoutError past `timeout_s`.
     """
     started = time.monotonic()
     latest, _ = read_latest(reader, topic, list(range(TABLE_PARTITIONS)), timeout_s)

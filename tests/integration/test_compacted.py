@@ -1,19 +1,19 @@
 """Reading a compacted state topic back (consumers/compacted.py) against the real broker."""
 
+import threading
+import time
 import uuid
 
 import pytest
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaProducer
 
-from consumers.compacted import read_at, read_latest, read_recent
+from consumers.compacted import Reader, read_at, read_latest, read_recent
 
 pytestmark = [pytest.mark.kafka]
 
 
-def reader(bootstrap: str) -> KafkaConsumer:
-    return KafkaConsumer(
-        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
-    )
+def reader(bootstrap: str) -> Reader:
+    return Reader.connect(bootstrap, "test-compacted")
 
 
 def test_last_value_per_key_wins_tombstones_read_as_none_and_aborted_records_never_count(
@@ -40,7 +40,7 @@ def test_last_value_per_key_wins_tombstones_read_as_none_and_aborted_records_nev
         latest, read = read_latest(consumer, topic, [0, 1], timeout_s=30)
         assert latest == {"a": b"a2", "b": b"b1", "c": None}
         assert read == 5
-        assert consumer.assignment() == set()  # unassigned afterwards, ready for the next restore
+        assert consumer.committed.assignment() == set()  # unassigned afterwards, ready for the next restore
         only_0, _ = read_latest(consumer, topic, [0], timeout_s=30)
         assert only_0 == {"a": b"a2"}
     finally:
@@ -82,7 +82,7 @@ def test_bounded_read_keeps_the_latest_written_and_where_each_live_key_is(kafka_
         assert everything == {"a": b"a2", "c": b"c1", "d": b"d1"}
 
         assert read_at(consumer, topic, where, timeout_s=30) == everything  # each read back from its place
-        assert consumer.assignment() == set()
+        assert consumer.committed.assignment() == set()
         with pytest.raises(ValueError, match=r"offset 0 holds b'a', not the last record of 'c'"):
             read_at(consumer, topic, {"c": (0, 0)}, timeout_s=30)
         zombie = KafkaProducer(
@@ -97,4 +97,33 @@ def test_bounded_read_keeps_the_latest_written_and_where_each_live_key_is(kafka_
         with pytest.raises(ValueError, match=r"partition 1 has no record at offset 3 .* of 'e' was expected"):
             read_at(consumer, topic, {"e": (1, 3)}, timeout_s=30)
     finally:
+        consumer.close()
+
+
+def test_records_committed_after_a_transaction_still_open_are_read_once_it_ends(
+    kafka_bootstrap, topic_factory
+):
+    # A crashed instance's transaction holds read_committed readers at its first record; what others
+    # committed after it lies beyond. Stopping at the last stable offset would silently miss "a".
+    topic = topic_factory("compacted")
+    open_txn = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"t-{uuid.uuid4().hex[:8]}")
+    open_txn.init_transactions()
+    open_txn.begin_transaction()
+    open_txn.send(topic, key=b"ghost", value=b"never committed", partition=0)
+    open_txn.flush()
+    plain = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    plain.send(topic, key=b"a", value=b"a1", partition=0)
+    plain.flush()
+    plain.close()
+    ender = threading.Timer(2.0, open_txn.abort_transaction)
+    ender.start()
+    consumer = reader(kafka_bootstrap)
+    try:
+        started = time.monotonic()
+        latest, read = read_latest(consumer, topic, [0], timeout_s=30)
+        assert latest == {"a": b"a1"} and read == 1
+        assert time.monotonic() - started > 1.5  # it waited for the transaction to end
+    finally:
+        ender.join()
+        open_txn.close()
         consumer.close()

@@ -24,11 +24,13 @@ import urllib.request
 
 import polars as pl
 import pytest
+from kafka import KafkaProducer
 from kafka.partitioner.default import murmur2
 
 from consumers.broker import REPO_ROOT
 from consumers.messages import encode_transaction, transactions_from_frame
 from consumers.scorer import Scorer
+from consumers.topics import ensure_topics
 from pipeline.artifact import load_model
 from pipeline.generate import GenerateConfig, generate
 from tests.integration.service_helpers import (
@@ -197,6 +199,38 @@ def test_dormant_accounts_leave_memory_and_come_back_exactly_across_a_restart(
     for stats in (first_stats, second_stats):
         assert stats.states_evicted > 0 and stats.states_reloaded > 0
     assert second_stats.restored_states == 5  # the rest of the 20 stayed dormant until they returned
+
+
+def test_a_stable_instance_id_aborts_the_transaction_a_crashed_predecessor_left_open(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    """The predecessor died with a transaction open on the changelog. Its successor, with the same
+    instance_id, aborts it on start; otherwise the changelog restore would wait behind it until
+    transaction_timeout_ms (60 s, the default) ran out."""
+    cfg = service_cfg(instance_id="scorer-0")
+    assert cfg.transaction_timeout_ms == 60_000
+    events = transactions_from_frame(frame.head(200))
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
+    ensure_topics(cfg, kafka_bootstrap)
+    predecessor = KafkaProducer(
+        bootstrap_servers=kafka_bootstrap, transactional_id=f"{cfg.transactional_id_prefix}-scorer-0"
+    )
+    predecessor.init_transactions()
+    predecessor.begin_transaction()
+    predecessor.send(cfg.topic("changelog"), key=b"ghost", value=b"never committed", partition=0)
+    predecessor.flush()
+    predecessor.close()  # gone without commit or abort: its transaction stays open on the broker
+    produce(
+        kafka_bootstrap, cfg.topic("transactions"), [(t.account_id, encode_transaction(t)) for t in events]
+    )
+
+    started = time.monotonic()
+    running = Running(cfg, model_dir, kafka_bootstrap)
+    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running, timeout_s=40)
+    stats = running.stop()
+    assert time.monotonic() - started < 40 and stats.restore_s < 10
+    assert_exactly_once(scores, events)
+    assert b"ghost" not in {r.key for r in read_committed(kafka_bootstrap, cfg.topic("changelog"))}
 
 
 def test_a_killed_service_loses_nothing_and_scores_nothing_twice(
