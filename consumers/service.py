@@ -249,9 +249,13 @@ class _Service:
     def _settle(self) -> None:
         """Wait for the batch in flight to commit, then count it (raises what failed its commit)."""
         committed = self.pipeline.settle()
-        if committed is not None:
-            self.failures = 0
+        if committed is None:
+            return
+        self.failures = 0
+        try:
             self._count(committed)
+        except Exception:  # the batch IS committed: a bookkeeping error must not rewind it
+            log.exception("bookkeeping of committed batch seq=%d failed", committed.batch.seq)
 
     def _publish(self, scored: ScoredBatch) -> None:
         started = time.monotonic()

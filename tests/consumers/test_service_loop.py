@@ -225,6 +225,18 @@ def test_a_revocation_waits_for_the_commit_in_flight_and_rewinds_it_if_it_fails(
     assert service.stats.aborted_batches == 1 and service.assigned == {0}
 
 
+def test_a_bookkeeping_error_after_a_commit_never_rewinds_the_committed_batch(caplog):
+    service, log, rewinds, stop = scripted_loop([({P0: records(0, 1)}, None), ({P0: records(0, 2)}, None)])
+
+    def broken(committed):
+        raise RuntimeError("eviction bug")
+
+    service._let_dormant_go = broken
+    service.run(stop)
+    assert rewinds == [] and log.count("committed") == 2 and "aborted" not in log
+    assert service.stats.aborted_batches == 0 and "bookkeeping of committed batch seq=" in caplog.text
+
+
 def test_a_commit_the_group_refuses_rejoins_instead_of_counting_as_a_failure():
     refused = CommitFailedError("UnknownMemberIdError")
     polls = [({P0: records(0, 1)}, None)] * 10  # a refusal shows while the next batch is scored: 2 a rejoin
