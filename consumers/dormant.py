@@ -61,6 +61,11 @@ class DormantStates:
         self.where.update(places)
         self.touched(in_memory, seq)
 
+    def forget(self, accounts: Iterable[str]) -> None:
+        """Accounts that left memory another way (their partition was revoked): no longer candidates."""
+        for account in accounts:
+            self.recency.pop(account, None)
+
     def drop_partitions(self, partitions: Collection[int]) -> None:
         """Forget the accounts of partitions leaving this instance (or about to be read again)."""
         if not partitions:

@@ -452,11 +452,13 @@ class _Service:
         self._settle_before_revoking(partitions)
         evicted = 0
         for p in partitions:
-            for account in self.scorer.accounts_in_partition(p):
+            leaving = self.scorer.accounts_in_partition(p)
+            for account in leaving:
                 # No batch is open between polls, so nothing unsaved is lost; discard_changes only guards
                 # against an account whose events would be redelivered anyway (uncommitted offsets).
                 self.scorer.evict(account, discard_changes=True)
-                evicted += 1
+            self.dormant.forget(leaving)
+            evicted += len(leaving)
         self.assigned -= set(partitions)
         self.dormant.drop_partitions(partitions)
         self.stats.rebalances += 1

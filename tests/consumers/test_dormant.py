@@ -30,11 +30,13 @@ def test_returning_accounts_are_those_out_of_memory_with_a_record():
     assert dormant.returning(["a", "b", "new"], in_memory={"a"}) == {"b": (2, 9)}
 
 
-def test_a_partition_leaving_takes_its_accounts_places_with_it():
+def test_a_partition_leaving_takes_its_accounts_places_and_recency_with_it():
     dormant = DormantStates(capacity=10)
-    dormant.restored({"a": (0, 4), "b": (2, 9)}, in_memory=["a"], seq=0)
+    dormant.restored({"a": (0, 4), "b": (2, 9)}, in_memory=["a", "b"], seq=0)
     dormant.drop_partitions({2})
+    dormant.forget(["b"])
     assert dormant.returning(["a", "b"], in_memory=set()) == {"a": (0, 4)}
+    assert list(dormant.recency) == ["a"]  # nothing left behind for an account that went elsewhere
 
 
 def test_a_capacity_below_one_is_refused():
