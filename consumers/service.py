@@ -150,6 +150,7 @@ class _Service:
         self.metrics_server = None
         self.consumer = self.producer = self.restorer = self.label_consumer = self.labels = None
         self.pipeline: TransactionPipeline | None = None  # the producer, committing in the background
+        self.bootstrap = self.transactional_id = ""  # set by start()
         self.failures = 0  # batches aborted in a row (commit refusals by the group aside)
         self.batches: BatchScorer | None = None  # polled batch -> records to send; built in start()
         self.dormant = DormantStates(cfg.max_states_in_memory)
@@ -163,22 +164,8 @@ class _Service:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port)
         # Reads the changelog on assignment and the terminal table; no group, so it never joins or commits.
         self.restorer = Reader.connect(bootstrap, "txsentinel-serve-restore", **security)
-        # Zombies of an older group generation are fenced by send_offsets_to_transaction (KIP-447), whatever
-        # the id. A stable id (instance_id) also lets init_transactions abort a crashed predecessor's
-        # transaction at once.
-        transactional_id = f"{cfg.transactional_id_prefix}-{cfg.instance_id or uuid.uuid4().hex[:12]}"
-        self.producer = KafkaProducer(
-            bootstrap_servers=bootstrap,
-            transactional_id=transactional_id,
-            transaction_timeout_ms=cfg.transaction_timeout_ms,
-            linger_ms=cfg.producer_linger_ms,
-            batch_size=cfg.producer_batch_bytes,
-            retry_backoff_ms=cfg.producer_retry_backoff_ms,
-            key_serializer=KEYS,
-            **security,
-        )
-        self.producer.init_transactions()  # with a stable id: fences and aborts the predecessor's transaction
-        self.pipeline = TransactionPipeline(self.producer)
+        self.bootstrap = bootstrap
+        self._new_producer()
         counts = {}
         for name in ("scores", "alerts", "dead_letter", "changelog", "terminal_table"):
             # Metadata now, not on the first batch's first send to each topic (~0.3 s of latency there).
@@ -215,9 +202,49 @@ class _Service:
         self._subscribe()
         log.info(
             "serve started topic=%s partitions=%d group=%s transactional_id=%s model=%s threshold=%.4f",
-            self.topic, self.partitions, cfg.group_id, transactional_id, self.model_version,
+            self.topic, self.partitions, cfg.group_id, self.transactional_id, self.model_version,
             self.scorer.threshold,
         )  # fmt: skip
+
+    def _new_producer(self) -> None:
+        """The transactional producer and its commit pipeline, at start and after a fence."""
+        cfg = self.cfg
+        # Zombies of an older group generation are fenced by send_offsets_to_transaction (KIP-447), whatever
+        # the id. A stable id (instance_id) also lets init_transactions abort a crashed predecessor's
+        # transaction at once.
+        self.transactional_id = f"{cfg.transactional_id_prefix}-{cfg.instance_id or uuid.uuid4().hex[:12]}"
+        self.producer = KafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            transactional_id=self.transactional_id,
+            transaction_timeout_ms=cfg.transaction_timeout_ms,
+            linger_ms=cfg.producer_linger_ms,
+            batch_size=cfg.producer_batch_bytes,
+            retry_backoff_ms=cfg.producer_retry_backoff_ms,
+            key_serializer=KEYS,
+            **cfg.kafka_security,
+        )
+        self.producer.init_transactions()  # with a stable id: fences and aborts the predecessor's transaction
+        self.pipeline = TransactionPipeline(self.producer)
+
+    def _renew_producer(self, error: ProducerFencedError) -> None:
+        """A fenced producer is dead for good: start another (its aborted batches are rewound by the caller).
+
+        The broker fences a transactional producer when one of its transactions outlives
+        transaction_timeout_ms (e.g. across a broker outage: the broker aborts it and bumps the producer's
+        epoch), or when another producer starts with the same transactional id (two instances sharing an
+        instance_id). The first is routine; the second repeats, and MAX_FAILED_BATCHES stops the service.
+        """
+        log.warning(
+            "producer fenced (%r): a transaction outlived transaction_timeout_ms (a broker outage?) or "
+            "another instance uses instance_id=%r; starting a new producer", error, self.cfg.instance_id,
+        )  # fmt: skip
+        old_producer, old_pipeline = self.producer, self.pipeline
+        for close in (lambda: old_producer.close(timeout=0), old_pipeline.close):
+            try:
+                close()
+            except Exception as close_error:  # a fenced producer may fail to close cleanly: it is dropped
+                log.warning("closing the fenced producer failed error=%r", close_error)
+        self._new_producer()
 
     # -- the loop ----------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -279,11 +306,10 @@ class _Service:
             error = commit_error
             failed = self.pipeline.take_failed()
             rewind.insert(0, failed.polled)
-        self.pipeline.abort()
         if isinstance(error, ProducerFencedError):
-            raise RuntimeError(
-                "this instance's producer was fenced: a newer instance owns its partitions; stopping"
-            ) from None
+            self._renew_producer(error)  # its transaction is aborted already (the fence aborted it)
+        else:
+            self.pipeline.abort()
         self.stats.aborted_batches += 1
         self.metrics.inc("txsentinel_aborted_transactions_total")
         rewound = _merged(rewind)
@@ -472,12 +498,10 @@ class _Service:
             self._settle()
         except Exception as error:  # kafka-python logs and swallows callback errors: handled here
             failed = self.pipeline.take_failed()
-            self.pipeline.abort()
             if isinstance(error, ProducerFencedError):
-                self.fatal = RuntimeError(
-                    "this instance's producer was fenced: a newer instance owns its partitions"
-                )
-                return
+                self._renew_producer(error)
+            else:
+                self.pipeline.abort()
             self.stats.aborted_batches += 1
             self.metrics.inc("txsentinel_aborted_transactions_total")
             log.warning("batch aborted at revocation error=%r; it is redelivered", error)

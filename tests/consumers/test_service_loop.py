@@ -12,7 +12,7 @@ import threading
 from collections import namedtuple
 from types import SimpleNamespace
 
-from kafka.errors import CommitFailedError, KafkaConnectionError
+from kafka.errors import CommitFailedError, KafkaConnectionError, ProducerFencedError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from consumers.commit_pipeline import ScoredBatch, TransactionPipeline
@@ -235,6 +235,24 @@ def test_a_bookkeeping_error_after_a_commit_never_rewinds_the_committed_batch(ca
     service.run(stop)
     assert rewinds == [] and log.count("committed") == 2 and "aborted" not in log
     assert service.stats.aborted_batches == 0 and "bookkeeping of committed batch seq=" in caplog.text
+
+
+def test_a_fenced_producer_is_replaced_and_the_batches_it_held_are_read_again():
+    # The broker fences a producer whose transaction outlived transaction_timeout_ms, e.g. across a broker
+    # outage: routine, so the service starts another producer instead of stopping.
+    polls = [({P0: records(0, 1)}, None), ({P0: records(0, 2)}, None), ({P0: records(0, 1, 2)}, None)]
+    service, log, _, stop = scripted_loop(polls, commits=[ProducerFencedError()])
+    fresh = ScriptedProducer()
+
+    def new_producer():
+        service.producer, service.pipeline = fresh, TransactionPipeline(fresh)
+
+    service._new_producer = new_producer
+    service.run(stop)
+    assert log[-2:] == ["rewound 0:1 0:2", "scored 0:1 0:2"]  # both uncommitted batches, read again
+    assert "aborted" not in log  # the fence aborted its transaction: a fenced producer cannot
+    assert fresh.log == ["begin", "send 0:1", "send 0:2", "offsets 0:3", "committed"]
+    assert service.stats.aborted_batches == 1 and service.stats.events_scored == 2
 
 
 def test_a_commit_the_group_refuses_rejoins_instead_of_counting_as_a_failure():
