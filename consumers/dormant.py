@@ -9,8 +9,8 @@ record, so the place stays valid. That is ~190 bytes an account against 1.6-9.3 
 - After a batch commits, its state records' offsets are noted, and the least recently touched accounts
   beyond capacity are evicted, but only those no uncommitted batch touched: their latest state is then a
   committed record.
-- When a batch holds an account that is not in memory but has a record, the record is read back (one
-  seek per run of records, read_committed) before the batch is scored, so the account continues exactly
+- When a batch holds an account that is not in memory but has a record, the record is read back
+  (compacted.read_at, read_committed) before the batch is scored, so the account continues exactly
   where it left off. An account with no record is new and starts from init_state.
 """
 

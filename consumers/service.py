@@ -306,12 +306,7 @@ class _Service:
             error = commit_error
             failed = self.pipeline.take_failed()
             rewind.insert(0, failed.polled)
-        if isinstance(error, ProducerFencedError):
-            self._renew_producer(error)  # its transaction is aborted already (the fence aborted it)
-        else:
-            self.pipeline.abort()
-        self.stats.aborted_batches += 1
-        self.metrics.inc("txsentinel_aborted_transactions_total")
+        self._end_failed_transaction(error)
         rewound = _merged(rewind)
         if isinstance(error, CommitFailedError):
             # The group no longer knows this member or its generation (a broker restart, a session timeout,
@@ -329,6 +324,16 @@ class _Service:
             raise RuntimeError(
                 f"{self.failures} batches in a row failed (last: {error!r}); stopping rather than loop"
             ) from error
+
+    def _end_failed_transaction(self, error: Exception) -> None:
+        """Abort the failed batch's transaction and count it; a fenced producer is replaced instead (the fence
+        aborted its transaction, and it can do nothing more)."""
+        if isinstance(error, ProducerFencedError):
+            self._renew_producer(error)
+        else:
+            self.pipeline.abort()
+        self.stats.aborted_batches += 1
+        self.metrics.inc("txsentinel_aborted_transactions_total")
 
     def _finish_in_flight(self) -> None:
         """On the way out (stop, or an error): the last batch commits, or its transaction is aborted."""
@@ -451,7 +456,8 @@ class _Service:
         for account in accounts & set(self.scorer.accounts_in_memory):
             self.scorer.evict(account, discard_changes=True)
         self.scorer.take_changed()
-        kept = [p for p in partitions if p not in set(revoked)]
+        leaving = set(revoked)
+        kept = [p for p in partitions if p not in leaving]
         self._restore(kept)
         self._restore_terminals()  # drops the batches' terminal counts and labels; labels are read again
         for tp in batch:
@@ -498,12 +504,7 @@ class _Service:
             self._settle()
         except Exception as error:  # kafka-python logs and swallows callback errors: handled here
             failed = self.pipeline.take_failed()
-            if isinstance(error, ProducerFencedError):
-                self._renew_producer(error)
-            else:
-                self.pipeline.abort()
-            self.stats.aborted_batches += 1
-            self.metrics.inc("txsentinel_aborted_transactions_total")
+            self._end_failed_transaction(error)
             log.warning("batch aborted at revocation error=%r; it is redelivered", error)
             self._rewind(failed.polled, revoked=partitions)
 
@@ -529,7 +530,8 @@ class _Service:
             )  # fmt: skip
 
     def _restore(self, partitions: list[int]) -> None:
-        """Read changelog partitions from the beginning up to their end (read_committed) into the scorer."""
+        """Read changelog partitions from the beginning up to their high watermarks (read_committed) into the
+        scorer, up to its capacity; the other accounts' places are noted (consumers/dormant.py)."""
         if not partitions:
             return
         started = time.monotonic()

@@ -22,8 +22,8 @@ consumer offsets, so terminal counts, label reports and account states move toge
 A batch of 500 events touches ~400 terminals. Writing each one's record took ~0.85 sends per event, nearly
 as many as the scores. Now a batch costs a few dozen sends.
 
-Reads (TerminalTable.restore). On start an instance reads the whole topic (read_committed, up to its end
-offset; last record per key wins). It loads the terminal records, then redoes the journal, in batch order,
+Reads (TerminalTable.restore). On start an instance reads the whole topic (read_committed, up to its high
+watermark, consumers/compacted.py; last record per key wins). It loads the terminal records, then redoes the journal, in batch order,
 for each terminal whose stamp is older than the journal record. A terminal with no record redoes every
 journal record from its first. Redone folds are the same calls on the same arguments, and one terminal's
 folds never depend on another's, so the state comes back bit for bit. The instance then reads `labels` from
