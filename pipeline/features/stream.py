@@ -9,6 +9,11 @@ Events are applied in arrival order. A late event (older day than its account or
 windows end at the newest day seen, and its gap is clipped to 0; in time order — what the batch form and a
 replay see — this never happens and both forms agree exactly.
 
+Terminal state is ORDER-FREE: each event is counted at its terminal on its own day (a ring bucket keeps its
+newest day), fraud reports on their label day, and max_day is a maximum, so the terminal table is the same
+whatever order, batching or split across instances the events and labels are folded in. The scoring
+service relies on it to merge other instances' terminal counts (consumers/terminal_deltas.py).
+
 Labels are applied at their label_ts: a fraud label given with a batch counts for the events of that batch
 with ts >= label_ts and for every later batch. So a caller must not pass a label whose label_ts is later than
 events of later batches (`replay_batches` splits a history that way).
@@ -234,7 +239,7 @@ class StreamingFeaturizer:
                 reports = reports + known.sum(axis=1)
             out[f"terminal_reports_{d}d"] = reports
 
-        self._fold_terminal_events(list(terminal_ids), slots, day_eff)
+        self._fold_terminal_events(list(terminal_ids), slots, days)  # own days: order-free (module doc)
         if fraud is not None:
             self._fold_terminal_reports(list(fraud[0]), label_slots, fraud[1] // DAY_US)
         return out
@@ -248,13 +253,15 @@ class StreamingFeaturizer:
         self._fold_terminal_reports(terminals, self.terminals.slots(terminals), fraud[1] // DAY_US)
 
     # -- terminal state changes, journaled -----------------------------------------------------------------
-    def _fold_terminal_events(self, terminals: list[str], slots: np.ndarray, day_eff: np.ndarray) -> None:
-        """Count events at their terminals: each on its effective day, which also raises max_day."""
+    def _fold_terminal_events(self, terminals: list[str], slots: np.ndarray, days: np.ndarray) -> None:
+        """Count events at their terminals, each on its own day, which also raises max_day. Commutes with
+        every other fold: a late event lands in its own day's bucket, or nowhere if that bucket has moved
+        on to a day >= RING_DAYS newer (outside every window that could count it)."""
         rec = self.terminals.records
-        np.maximum.at(rec["max_day"], slots, day_eff.astype(rec["max_day"].dtype))  # = the last event's
-        self._fold_days(rec, slots, day_eff, {"day_count": np.ones(len(slots))}, "day")
+        np.maximum.at(rec["max_day"], slots, days.astype(rec["max_day"].dtype))
+        self._fold_days(rec, slots, days, {"day_count": np.ones(len(slots))}, "day")
         if self.terminal_journal is not None:
-            self.terminal_journal.append(TerminalOp("events", terminals, day_eff.astype(np.int64)))
+            self.terminal_journal.append(TerminalOp("events", terminals, days.astype(np.int64)))
 
     def _fold_terminal_reports(self, terminals: list[str], slots: np.ndarray, days: np.ndarray) -> None:
         """Count fraud reports at their terminals, each on the day of its label."""
