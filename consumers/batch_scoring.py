@@ -2,12 +2,15 @@
 
 In memory only: nothing is sent here (consumers/commit_pipeline.py sends it once the previous batch's commit
 has returned). In order:
-1. the labels committed so far are read and applied to the terminal-risk table (bad ones: dead letters);
+1. the labels committed so far are read and applied to the terminal state, and so are the other instances'
+   terminal deltas that have arrived (consumers/terminal_feed.py; bad labels are the table writer's to
+   dead-letter);
 2. each message is decoded and validated (bad ones: dead letters with the reason and the original bytes);
    accounts of the batch that memory let go of are read back from the changelog (consumers/dormant.py);
 3. Scorer.score, in partition order (one partition's records keep their order);
-4. records: scores (and alerts) to the input event's partition number, the terminal table's records, then
-   the changed accounts' states to the changelog partition of the event that changed them.
+4. records: scores (and alerts) to the input event's partition number, the batch's terminal delta (keyed by
+   this instance's session, consumers/terminal_deltas.py), then the changed accounts' states to the
+   changelog partition of the event that changed them.
 """
 
 import base64
@@ -19,11 +22,11 @@ from kafka.structs import OffsetAndMetadata
 
 from consumers.commit_pipeline import ScoredBatch
 from consumers.dormant import DormantStates, Place
-from consumers.labels import LabelReader, label_batch
 from consumers.messages import MessageError, decode_transaction, encode_scores
 from consumers.scorer import Scorer
 from consumers.service_config import ServeConfig
-from consumers.terminal_table import TerminalTable
+from consumers.terminal_deltas import encode_deltas
+from consumers.terminal_feed import FeedReader, label_batch
 
 
 class BatchScorer:
@@ -31,14 +34,14 @@ class BatchScorer:
         self,
         cfg: ServeConfig,
         scorer: Scorer,
-        labels: LabelReader,
-        terminal_state: TerminalTable,
+        feed: FeedReader,
         model_version: str,
         co_partitioned: bool,
         dormant: DormantStates,
         read_states: Callable[[dict[str, Place]], dict[str, bytes]],
     ):
-        self.scorer, self.labels, self.terminal_state = scorer, labels, terminal_state
+        self.scorer, self.feed = scorer, feed
+        self.session = b""  # the key of this instance's deltas since its last restore (set by the service)
         self.dormant, self.read_states = dormant, read_states  # read_states: consumers.compacted.read_at
         self.seq = 0  # the last batch's
         self.model_version = model_version
@@ -47,8 +50,8 @@ class BatchScorer:
         # partitioner, without kafka-python's pure-Python murmur2 per record (~10 us of a ~40 us send).
         self.co_partitioned = co_partitioned
         self.scores_topic, self.alerts_topic = cfg.topic("scores"), cfg.topic("alerts")
-        self.dead_letter_topic, self.changelog, self.table = (
-            cfg.topic("dead_letter"), cfg.topic("changelog"), cfg.topic("terminal_table")
+        self.dead_letter_topic, self.changelog, self.deltas_topic = (
+            cfg.topic("dead_letter"), cfg.topic("changelog"), cfg.topic("terminal_deltas")
         )  # fmt: skip
 
     def score(self, batch: dict) -> ScoredBatch:
@@ -56,7 +59,8 @@ class BatchScorer:
         started = time.monotonic()
         self.seq += 1
         out = ScoredBatch(batch, seq=self.seq)
-        self._apply_labels(out)  # labels committed before this batch count for all its events
+        # Labels committed before this batch count for all its events.
+        out.labels_applied, out.deltas_applied = self.fold_feed()
         transactions, positions, created_ms = [], [], []
         for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
             for record in batch[tp]:
@@ -87,11 +91,10 @@ class BatchScorer:
         out.scored = len(scores)
         created = dict(zip(positions, created_ms, strict=True))  # duplicates dropped: no score
         out.created_ms = [created[s.position] for s in scores]
-        # The terminal table, to its one partition: this batch's journal record (its labels' and events'
-        # terminal operations), the longest-changed terminals' snapshots, tombstones for journal records no
-        # longer needed, and the label positions the table now reflects (consumers/terminal_table.py).
-        for key, value in self.terminal_state.batch_records(self.labels.topic, self.labels.positions()):
-            out.records.append((self.table, key, value, 0))
+        # This batch's terminal event counts, for the other instances and the table writer.
+        deltas = encode_deltas(self.scorer.featurizer.take_terminal_journal())
+        if deltas is not None:
+            out.records.append((self.deltas_topic, self.session, deltas, None))
         # Only now forget the changed set: should anything below fail, the rewind evicts and restores.
         changed = sorted(self.scorer.take_changed())
         for account, state in zip(changed, self.scorer.account_states_bytes(changed), strict=True):
@@ -117,14 +120,15 @@ class BatchScorer:
         out.records.append((self.dead_letter_topic, record.key, dead_letter_value(record, error), None))
         out.dead_lettered += 1
 
-    def _apply_labels(self, out: ScoredBatch) -> None:
-        """Read the labels committed so far, dead-letter bad ones, apply the rest."""
-        labels, bad = self.labels.catch_up()
-        for record, error in bad:
-            self._dead_letter(out, record, error)
-        if labels:
-            self.scorer.observe_labels(label_batch(labels))
-            out.labels_applied = len(labels)
+    def fold_feed(self) -> tuple[int, int]:
+        """Fold in the labels committed so far and the other instances' deltas that have arrived (the service
+        also calls it when a poll brings nothing, so an idle instance keeps up); (labels, deltas) folded."""
+        got = self.feed.read(self.session, labels_to_end=True)
+        if got.deltas:
+            self.scorer.featurizer.apply_terminal_ops(got.deltas)
+        if got.labels:
+            self.scorer.observe_labels(label_batch(got.labels))
+        return len(got.labels), len(got.deltas)
 
 
 def dead_letter_value(record, error: MessageError) -> bytes:

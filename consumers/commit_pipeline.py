@@ -48,6 +48,7 @@ class ScoredBatch:
     dead_lettered: int = 0
     duplicates_dropped: int = 0
     labels_applied: int = 0  # fraud and not-fraud labels read and applied before the batch's events
+    deltas_applied: int = 0  # other instances' terminal delta records folded in before the batch's events
     reloaded: int = 0  # dormant accounts' states read back from the changelog for this batch
     created_ms: list[float] = field(default_factory=list)  # the scored events' produce times (latency)
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds of main-thread work

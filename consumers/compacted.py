@@ -65,6 +65,22 @@ def read_latest(
     return latest, read
 
 
+def read_latest_until(
+    reader: Reader, topic: str, partitions: list[int], timeout_s: float, last_key: str
+) -> tuple[dict[str, bytes | None], int]:
+    """read_latest, read on past the high watermark until the last record read is keyed `last_key` (or none
+    was read): a writer that ends each transaction with that key is then read at a transaction's end.
+    One partition only: "the last record" of several would mean nothing."""
+    if len(partitions) != 1:
+        raise ValueError(f"read_latest_until reads one partition, got {partitions}")
+    latest: dict[str, bytes | None] = {}
+    read = 0
+    for key, record in _records(reader, topic, partitions, timeout_s, last_key):
+        latest[key] = record.value
+        read += 1
+    return latest, read
+
+
 def read_recent(
     reader: Reader, topic: str, partitions: list[int], timeout_s: float, keep: int
 ) -> tuple[dict[str, bytes], dict[str, tuple[int, int]], int]:
@@ -146,9 +162,12 @@ def read_at(
     return found
 
 
-def _records(reader: Reader, topic: str, partitions: list[int], timeout_s: float):
+def _records(
+    reader: Reader, topic: str, partitions: list[int], timeout_s: float, last_key: str | None = None
+):
     """(key, record) for every committed record of the partitions, from their beginning to their high
-    watermarks at the start, waiting out transactions still open there (module docstring)."""
+    watermarks at the start, waiting out transactions still open there (module docstring); then on, while
+    `last_key` is given and the last record read had another key."""
     started = time.monotonic()
     tps = [TopicPartition(topic, p) for p in partitions]
     consumer = reader.committed
@@ -156,7 +175,13 @@ def _records(reader: Reader, topic: str, partitions: list[int], timeout_s: float
     consumer.seek_to_beginning(*tps)
     end = reader.watermarks.end_offsets(tps)
     read, next_log = 0, started + PROGRESS_EVERY_S
-    while any(consumer.position(tp) < end[tp] for tp in tps):
+    last = last_key  # the last record's key; nothing read yet counts as ending right
+
+    def more() -> bool:
+        behind = any(consumer.position(tp) < end[tp] for tp in tps)
+        return behind or (last_key is not None and last != last_key)
+
+    while more():
         now = time.monotonic()
         if now - started > timeout_s:
             left = {tp.partition: end[tp] - consumer.position(tp) for tp in tps}
@@ -179,5 +204,6 @@ def _records(reader: Reader, topic: str, partitions: list[int], timeout_s: float
                         "state topic holds keyed records only; was another producer pointed at it?"
                     )
                 read += 1
-                yield record.key.decode(), record
+                last = record.key.decode()
+                yield last, record
     consumer.unsubscribe()

@@ -37,10 +37,13 @@ METRICS = {
     "txsentinel_restored_states_total": ("counter", "Account state records read from the changelog."),
     "txsentinel_states_in_memory": ("gauge", "Account states held in memory."),
     "txsentinel_assigned_partitions": ("gauge", "Transactions partitions assigned to this instance."),
-    "txsentinel_terminal_counts_partial": (
-        "gauge",
-        "1 while this instance owns only some transactions partitions: its terminal transaction counts then "
-        "miss the other instances' events (README, Scaling out).",
+    "txsentinel_terminal_deltas_applied_total": (
+        "counter",
+        "Other scorers' batches of terminal event counts folded into this instance's terminal state.",
+    ),
+    "txsentinel_terminal_table_flushes_total": (
+        "counter",
+        "Transactions of the terminal table writer (only the instance that owns transactions partition 0).",
     ),
     "txsentinel_consumer_lag": (
         "gauge",

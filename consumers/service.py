@@ -14,13 +14,12 @@ number of the input event it came from: on assignment of input partition p, this
 partition p from its beginning up to its end (read_committed) and holds every account of p. On revocation
 the accounts of those partitions are evicted.
 
-Labels and the global terminal-risk table (consumers/labels.py, consumers/terminal_table.py): on start,
-before joining the group, the instance restores the whole terminal table topic and seeks its own group-less
-`labels` reader (all partitions) to the label positions recorded there. Each batch, inside its transaction and
-before its events are scored, the labels committed so far are read (bad ones -> dead-letter) and fraud labels are
-applied to the terminal table. After scoring, the batch's terminal journal record, a few terminals' snapshots
-and the new label positions are produced with the scores. This is exact for one instance; with several,
-terminal counts are per-instance partial (see consumers/terminal_table.py).
+Terminal risk (consumers/terminal_table.py has the whole flow): on start, before joining the group, the
+instance reads the terminal table, then the labels and every instance's terminal deltas after the table's
+positions. Each batch, before its events are scored, it folds in the labels committed so far and the deltas
+other instances have committed since; after scoring, the batch's own terminal event counts go out as one
+delta record in its transaction. Whichever instance owns transactions partition 0 also runs the table
+writer (consumers/terminal_writer.py).
 """
 
 import gc
@@ -39,16 +38,17 @@ from kafka.errors import CommitFailedError, ProducerFencedError
 from kafka.serializer import DefaultSerializer
 from kafka.structs import TopicPartition
 
-from consumers import terminal_table
 from consumers.batch_limit import BatchLimit
-from consumers.batch_scoring import BatchScorer
+from consumers.batch_scoring import BatchScorer, dead_letter_value
 from consumers.commit_pipeline import Committed, ScoredBatch, TransactionPipeline
 from consumers.compacted import Reader, read_at, read_recent
 from consumers.dormant import DormantStates
-from consumers.labels import LabelReader
 from consumers.metrics import Metrics, MetricsServer
 from consumers.scorer import Scorer
 from consumers.service_config import ServeConfig
+from consumers.terminal_feed import FeedReader, label_batch
+from consumers.terminal_table import read_table
+from consumers.terminal_writer import TerminalTableWriter
 from consumers.topics import ensure_topics  # also the public way in for callers (pipeline/demo.py)
 from pipeline.artifact import LoadedModel, load_model
 
@@ -69,8 +69,12 @@ class ServeStats:
     rebalances: int = 0
     restored_states: int = 0
     restore_s: float = 0.0
-    labels_applied: int = 0  # fraud and not-fraud labels read and applied (only fraud changes state)
+    # fraud and not-fraud labels read and applied (only fraud changes state); those after the table's
+    # positions are read again by each restore, and count again
+    labels_applied: int = 0
     restored_terminals: int = 0  # terminal records read from the table, at start and after aborts
+    terminal_deltas_applied: int = 0  # other instances' batches of terminal counts folded in
+    terminal_table_flushes: int = 0  # transactions of the table writer, while this instance ran it
     states_evicted: int = 0  # dormant accounts let go of beyond max_states_in_memory
     states_reloaded: int = 0  # dormant accounts read back from the changelog when they returned
 
@@ -101,6 +105,9 @@ def serve(
     finally:
         gc.unfreeze()  # serve() may be a library call (tests, the demo): leave the collector as it was
         service.close()
+        if service.writer is not None:  # None: start() failed before building it
+            service.stats.terminal_table_flushes = service.writer.stats.flushes
+            service.stats.dead_lettered += service.writer.stats.labels_dead_lettered
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log.info("serve stopped %s", " ".join(f"{k}={v}" for k, v in asdict(service.stats).items()))
@@ -145,10 +152,11 @@ class _Service:
         self.partitions = 0  # of the transactions topic, known once start() has made sure of the topics
         self.topic = cfg.topic("transactions")
         self.changelog = cfg.topic("changelog")
-        self.table = cfg.topic("terminal_table")
-        self.terminal_state: terminal_table.TerminalTable | None = None  # built in start()
         self.metrics_server = None
-        self.consumer = self.producer = self.restorer = self.label_consumer = self.labels = None
+        self.consumer = self.producer = self.restorer = self.feed_consumer = self.feed = None
+        self.instance_tag = uuid.uuid4().hex[:12]  # + the restore count: this instance's delta session
+        self.terminal_restores = 0
+        self.writer: TerminalTableWriter | None = None  # built in start(); runs while partition 0 is ours
         self.pipeline: TransactionPipeline | None = None  # the producer, committing in the background
         self.bootstrap = self.transactional_id = ""  # set by start()
         self.failures = 0  # batches aborted in a row (commit refusals by the group aside)
@@ -167,26 +175,27 @@ class _Service:
         self.bootstrap = bootstrap
         self._new_producer()
         counts = {}
-        for name in ("scores", "alerts", "dead_letter", "changelog", "terminal_table"):
+        for name in ("scores", "alerts", "dead_letter", "changelog", "terminal_deltas"):
             # Metadata now, not on the first batch's first send to each topic (~0.3 s of latency there).
             counts[name] = len(self.producer.partitions_for(cfg.topic(name)))
         co_partitioned = counts["scores"] == counts["alerts"] == self.partitions
-        self.label_consumer = KafkaConsumer(
+        self.feed_consumer = KafkaConsumer(
             bootstrap_servers=bootstrap,
             isolation_level="read_committed",
             enable_auto_commit=False,
-            client_id="txsentinel-serve-labels",
+            client_id="txsentinel-serve-feed",
             **security,
         )
-        self.labels = LabelReader(self.label_consumer, cfg.topic("labels"), cfg.restore_timeout_s)
-        self.terminal_state = terminal_table.TerminalTable(
-            self.scorer.featurizer, cfg.terminal_snapshot_batches, writer=uuid.uuid4().hex[:12]
-        )
-        self._restore_terminals()  # before joining the group: no event is scored without the table
-        self.batches = BatchScorer(
-            cfg, self.scorer, self.labels, self.terminal_state, self.model_version, co_partitioned,
-            self.dormant, lambda wanted: read_at(self.restorer, self.changelog, wanted, cfg.restore_timeout_s),
+        self.feed = FeedReader(
+            self.feed_consumer, self.restorer.watermarks, cfg.topic("labels"), cfg.topic("terminal_deltas"),
+            cfg.restore_timeout_s,
         )  # fmt: skip
+        self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics, dead_letter_value)
+        self.batches = BatchScorer(
+            cfg, self.scorer, self.feed, self.model_version, co_partitioned, self.dormant,
+            lambda wanted: read_at(self.restorer, self.changelog, wanted, cfg.restore_timeout_s),
+        )  # fmt: skip
+        self._restore_terminals()  # before joining the group: no event is scored without the table
         self.consumer = KafkaConsumer(
             bootstrap_servers=bootstrap,
             group_id=cfg.group_id,
@@ -263,6 +272,8 @@ class _Service:
             batch = self._top_up(batch)  # {} when a rebalance came in between: fetched again later
         if self.fatal is not None:
             raise self.fatal  # from a rebalance callback inside either poll
+        if not batch and not self.pipeline.busy():
+            self._fold_feed_while_idle()
         try:
             scored = self.batches.score(batch) if batch else None  # in memory only: nothing is sent yet
             waiting = time.monotonic()
@@ -394,6 +405,7 @@ class _Service:
         self.stats.dead_lettered += out.dead_lettered
         self.stats.duplicates_dropped += out.duplicates_dropped
         self.stats.labels_applied += out.labels_applied
+        self.stats.terminal_deltas_applied += out.deltas_applied
         self.stats.states_reloaded += out.reloaded
         self._let_dormant_go(committed)
         m = self.metrics
@@ -403,6 +415,7 @@ class _Service:
         m.inc("txsentinel_events_dead_lettered_total", out.dead_lettered)
         m.inc("txsentinel_duplicates_dropped_total", out.duplicates_dropped)
         m.inc("txsentinel_labels_applied_total", out.labels_applied)
+        m.inc("txsentinel_terminal_deltas_applied_total", out.deltas_applied)
         m.inc("txsentinel_states_reloaded_total", out.reloaded)
         m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         m.set("txsentinel_consumer_lag", self._lag())
@@ -469,19 +482,60 @@ class _Service:
             else:
                 self.consumer.seek(tp, committed)
 
-    # -- labels and the terminal table -------------------------------------------------------------------
+    # -- terminal state -----------------------------------------------------------------------------------
     def _restore_terminals(self) -> None:
-        positions, restored = terminal_table.restore_table(
-            self.restorer, self.table, self.terminal_state, self.labels.topic, self.cfg.restore_timeout_s
-        )
-        self.labels.seek(positions)
-        self.stats.restored_terminals += restored
+        """Terminal state = the table + every label and delta after its positions (consumers/terminal_table.py);
+        then a new delta session: whatever this instance folds from now on, it also writes."""
+        cfg, featurizer = self.cfg, self.scorer.featurizer
+        started = time.monotonic()
+        featurizer.terminals, positions = read_table(
+            self.restorer, cfg.topic("terminal_table"), self.feed.labels_topic, self.feed.deltas_topic,
+            cfg.restore_timeout_s,
+        )  # fmt: skip
+        self.stats.restored_terminals += len(featurizer.terminals)
+        featurizer.terminal_journal = []  # what the rewound batches folded is gone with the old table
+        self.feed.seek(positions)
+        got = self.feed.read(to_high_watermark=True)  # every session's deltas: none of them is folded yet
+        featurizer.apply_terminal_ops(got.deltas)
+        if got.labels:
+            featurizer.observe_labels(label_batch(got.labels))
+        self.stats.labels_applied += len(got.labels)
+        self.metrics.inc("txsentinel_labels_applied_total", len(got.labels))
+        self.terminal_restores += 1
+        self.batches.session = f"{self.instance_tag}/{self.terminal_restores}".encode()
+        log.info(
+            "terminal state restored terminals=%d deltas=%d labels=%d session=%s seconds=%.3f",
+            len(featurizer.terminals), len(got.deltas), len(got.labels), self.batches.session.decode(),
+            time.monotonic() - started,
+        )  # fmt: skip
+
+    def _fold_feed_while_idle(self) -> None:
+        """No events: still fold in labels and other instances' deltas, so the next event sees them all."""
+        try:
+            labels, deltas = self.batches.fold_feed()
+        except Exception as error:  # the next batch reads the feed again, and recovers if it fails there
+            log.warning("reading labels and terminal deltas between batches failed error=%r", error)
+            return
+        self.stats.labels_applied += labels
+        self.stats.terminal_deltas_applied += deltas
+        self.metrics.inc("txsentinel_labels_applied_total", labels)
+        self.metrics.inc("txsentinel_terminal_deltas_applied_total", deltas)
+
+    def _run_writer(self, partitions: Iterable[int], assigned: bool) -> None:
+        """The table writer runs where transactions partition 0 is (consumers/terminal_writer.py)."""
+        if 0 not in partitions:
+            return
+        if assigned and not self.writer.running:
+            self.writer.start()
+        elif not assigned:
+            self.writer.stop()
 
     # -- rebalance ---------------------------------------------------------------------------------------
     def on_revoked(self, revoked: Iterable[TopicPartition]) -> None:
         self.rebalance_callbacks += 1
         partitions = sorted(tp.partition for tp in revoked if tp.topic == self.topic)
         self._settle_before_revoking(partitions)
+        self._run_writer(partitions, assigned=False)
         evicted = 0
         for p in partitions:
             leaving = self.scorer.accounts_in_partition(p)
@@ -519,15 +573,7 @@ class _Service:
             return
         self.assigned |= set(partitions)
         self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
-        partial = 0 < len(self.assigned) < self.partitions
-        self.metrics.set("txsentinel_terminal_counts_partial", int(partial))
-        if partial:
-            log.warning(
-                "this instance owns %d of %d transactions partitions: terminal transaction counts (features "
-                "terminal_*_count and terminal_risk_*) leave out the other instances' events; they are exact "
-                "with one instance only (README, Scaling out)",
-                len(self.assigned), self.partitions,
-            )  # fmt: skip
+        self._run_writer(partitions, assigned=True)
 
     def _restore(self, partitions: list[int]) -> None:
         """Read changelog partitions from the beginning up to their high watermarks (read_committed) into the
@@ -559,11 +605,12 @@ class _Service:
 
     def close(self) -> None:
         parts = (
+            ("table writer", self.writer, lambda w: w.stop()),  # drains and flushes first
             ("consumer", self.consumer, lambda c: c.close(autocommit=False)),
             ("producer", self.producer, lambda p: p.close(timeout=10)),
             ("committer", self.pipeline, lambda p: p.close()),
             ("restore consumers", self.restorer, lambda r: r.close()),
-            ("labels consumer", self.label_consumer, lambda c: c.close()),
+            ("feed consumer", self.feed_consumer, lambda c: c.close()),
             ("metrics", self.metrics_server, lambda m: m.close()),
         )
         for name, part, close in parts:

@@ -37,11 +37,17 @@ class ServeConfig:
     alerts_topic: str = "alerts"
     dead_letter_topic: str = "dead-letter"
     changelog_topic: str = "account-state-changelog"  # compacted; partition count = transactions'
-    # compacted, one partition: terminal records, their journal, label positions (consumers/terminal_table.py)
+    # compacted, one partition: every terminal's record and the positions they reflect (consumers/terminal_table.py)
     terminal_table_topic: str = "terminal-risk-table"
-    # A changed terminal's record is rewritten within about this many batches (longest-changed first), so
-    # a restore redoes about this many batches of the terminal journal; fewer means more records a batch.
-    terminal_snapshot_batches: int = 100
+    # each scored batch's terminal event counts, read by every instance (consumers/terminal_deltas.py);
+    # as many partitions as transactions, time retention (terminal_deltas_retention_ms)
+    terminal_deltas_topic: str = "terminal-deltas"
+    # The table writer commits the changed terminals this often; a restore then folds at most about this
+    # long of deltas on top of the table.
+    terminal_table_flush_s: float = 2.0
+    # How long deltas stay in their topic: the table writer must read them before they go (days, not
+    # seconds: a writer that is down longer than this loses counts). Used only when the topic is created.
+    terminal_deltas_retention_ms: int = 7 * 24 * 3600 * 1000
     # Used only when the service creates a missing transactions topic; an existing one keeps its own.
     transactions_partitions: int = 3
     replication_factor: int = 1
@@ -96,7 +102,7 @@ class ServeConfig:
             ("producer_linger_ms", 0),
             ("producer_retry_backoff_ms", 0),
             ("fresh_fetch_ms", 0),  # 0: off
-            ("terminal_snapshot_batches", 1),
+            ("terminal_deltas_retention_ms", 60_000),
             ("max_states_in_memory", 1),
         ):
             value = getattr(self, name)
@@ -105,6 +111,11 @@ class ServeConfig:
         if not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port < 65536:
             raise ValueError(
                 f"serve config: metrics_port = {self.metrics_port!r}, expected 0 (off) or a port"
+            )
+        flush_s = self.terminal_table_flush_s
+        if not isinstance(flush_s, int | float) or isinstance(flush_s, bool) or flush_s <= 0:
+            raise ValueError(
+                f"serve config: terminal_table_flush_s = {self.terminal_table_flush_s!r}, expected seconds > 0"
             )
         if self.restore_timeout_s <= 0:
             raise ValueError(f"serve config: restore_timeout_s = {self.restore_timeout_s!r}, expected > 0")

@@ -1,8 +1,8 @@
 """The scoring service's topics: created when missing, refused when their partition counts break the design.
 
 `transactions`, `scores`, `alerts`, `dead-letter`, `labels`: plain topics. The account-state changelog:
-compacted, as many partitions as `transactions`. The terminal table: compacted, one partition
-(consumers/terminal_table.py).
+compacted, as many partitions as `transactions`. The terminal table: compacted, one partition. The terminal
+deltas: as many partitions as `transactions`, time retention (consumers/terminal_table.py).
 """
 
 import logging
@@ -52,6 +52,10 @@ def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
         labels = cfg.topic("labels")
         if labels not in existing:
             _create(admin, labels, partitions, cfg.replication_factor, {})
+        deltas = cfg.topic("terminal_deltas")
+        if deltas not in existing:
+            retention = {"cleanup.policy": "delete", "retention.ms": str(cfg.terminal_deltas_retention_ms)}
+            _create(admin, deltas, partitions, cfg.replication_factor, retention)
         table = cfg.topic("terminal_table")
         if table not in existing:
             _create(

@@ -86,6 +86,21 @@ class ScriptedProducer:
         self.log.append("aborted")
 
 
+class ScriptedWriter:
+    """The terminal table writer's start and stop, logged."""
+
+    def __init__(self):
+        self.running, self.log = False, []
+
+    def start(self):
+        self.running = True
+        self.log.append("start")
+
+    def stop(self):
+        self.running = False
+        self.log.append("stop")
+
+
 def make_service(polls, **settings) -> tuple[_Service, ScriptedConsumer]:
     n = len(FEATURE_NAMES)
     spec = FeatureSpec(mean=(0.0,) * n, std=(1.0,) * n)
@@ -96,6 +111,7 @@ def make_service(polls, **settings) -> tuple[_Service, ScriptedConsumer]:
     service = _Service(cfg, LoadedModel(detector=detector, spec=spec))
     service.consumer = ScriptedConsumer(service, polls)
     service.producer = ScriptedProducer()
+    service.writer = ScriptedWriter()
     service.pipeline = TransactionPipeline(service.producer)
     service._restore = lambda partitions: None  # no changelog here; restore is tested against the broker
     return service, service.consumer
@@ -135,7 +151,8 @@ def scripted_loop(polls, commits=()):
         producer.log.append("rewound " + events(batch))
         rewinds.append((batch, list(revoked)))
 
-    service.batches, service._rewind = SimpleNamespace(score=score), rewind
+    service.batches = SimpleNamespace(score=score, fold_feed=lambda: (0, 0))
+    service._rewind = rewind
     service._rejoin = lambda: producer.log.append("rejoined")
     return service, producer.log, rewinds, stop
 
@@ -264,11 +281,16 @@ def test_a_commit_the_group_refuses_rejoins_instead_of_counting_as_a_failure():
     assert log[-1] == "committed" and service.stats.aborted_batches == 4 and service.stats.batches == 2
 
 
-def test_owning_some_partitions_flags_terminal_counts_as_partial(caplog):
+def test_the_terminal_table_writer_runs_where_transactions_partition_0_is():
     service, _ = make_service([])
-    service.partitions = 4  # the transactions topic's partition count, known at start
-    service.on_assigned([TopicPartition("transactions", p) for p in (0, 1)])
-    assert service.metrics.get("txsentinel_terminal_counts_partial") == 1
-    assert "owns 2 of 4 transactions partitions" in caplog.text
-    service.on_assigned([TopicPartition("transactions", p) for p in (2, 3)])  # the other instance left
-    assert service.metrics.get("txsentinel_terminal_counts_partial") == 0
+    writer = service.writer
+    tp = lambda p: TopicPartition("transactions", p)  # noqa: E731
+    service.on_assigned([tp(1)])
+    assert writer.log == []
+    service.on_assigned([tp(0), tp(2)])
+    service.on_assigned([tp(0)])  # already running: not started twice
+    assert writer.log == ["start"]
+    service.on_revoked([tp(2)])
+    assert writer.running
+    service.on_revoked([tp(0), tp(1)])
+    assert writer.log == ["start", "stop"] and not writer.running

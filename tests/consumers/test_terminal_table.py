@@ -1,12 +1,15 @@
-"""The terminal table: its record codecs, and the specification of its write protocol: whatever batch the
-service stops after, restoring the table it wrote gives back the featurizer's terminal state bit for bit."""
+"""The terminal table and the terminal deltas: their record codecs, and the specification of the protocol that
+merges several instances' terminal counts: a table flushed at any point, plus the deltas after its positions,
+gives back the state of every event and label, bit for bit, however the events were split between instances.
+(Against the real broker: tests/integration/test_service_labels.py.)"""
 
 import numpy as np
 import pytest
 
-from consumers import terminal_table
-from consumers.terminal_table import POSITIONS_KEY, TerminalTable
-from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, replay_batches
+from consumers import terminal_deltas, terminal_table
+from consumers.terminal_table import POSITIONS_KEY, Positions
+from pipeline.features.state import TERMINAL_STATE, StateTable
+from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, TerminalOp, replay_batches
 from pipeline.generate import GenerateConfig, generate
 
 
@@ -18,30 +21,54 @@ def featurizer_with_two_terminals() -> StreamingFeaturizer:
     return featurizer
 
 
-def test_terminal_records_round_trip_with_their_stamp():
+def test_terminal_records_round_trip():
     source = featurizer_with_two_terminals()
-    value = terminal_table.encode_terminal(source.terminals.get_bytes("t1"), stamp=41)
-    assert terminal_table.decode_terminal("t1", value) == (41, source.terminals.get_bytes("t1"))
+    value = terminal_table.encode_terminal(source.terminals.get_bytes("t1"))
+    assert terminal_table.decode_terminal("t1", value) == source.terminals.get_bytes("t1")
 
 
 def test_a_record_of_another_version_or_layout_is_refused_with_what_to_do():
-    value = terminal_table.encode_terminal(featurizer_with_two_terminals().terminals.get_bytes("t1"), 0)
+    value = terminal_table.encode_terminal(featurizer_with_two_terminals().terminals.get_bytes("t1"))
     other = value[:4] + (99).to_bytes(2, "little") + value[6:]
     with pytest.raises(ValueError, match=r"state version 99.*new topic and replay"):
         terminal_table.decode_terminal("t1", other)
-    with pytest.raises(ValueError, match="before the terminal journal: point terminal_table_topic"):
-        terminal_table.decode_terminal("t1", b"TXST" + value[4:])
+    with pytest.raises(ValueError, match="before the terminal table writer: point terminal_table_topic"):
+        terminal_table.decode_terminal("t1", b"TXT2" + value[4:])
     with pytest.raises(ValueError, match="bad magic"):
         terminal_table.decode_terminal("t1", b"nope")
-    with pytest.raises(ValueError, match="not a journal record"):
-        terminal_table.decode_journal("\x00journal/1/w", value)
+    with pytest.raises(ValueError, match="bad magic"):
+        terminal_deltas.decode_deltas("deltas[0]@3", value)
+    with pytest.raises(ValueError, match=r"deltas\[0\]@3 has 2 terminals"):
+        terminal_deltas.decode_deltas("deltas[0]@3", terminal_table.pack_header(b"TXD1") + b'[["a","b"],[1]]')
 
 
-def test_label_positions_round_trip_and_refuse_another_labels_topic():
-    data = terminal_table.encode_positions("labels", {1: 7, 0: 3}, seq=12)
-    assert terminal_table.decode_positions(data, "labels") == ({0: 3, 1: 7}, 12)
+def test_positions_round_trip_and_refuse_other_topics():
+    positions = Positions(labels={1: 7, 0: 3}, deltas={0: 11})
+    data = terminal_table.encode_positions(positions, "labels", "deltas")
+    assert terminal_table.decode_positions(data, "labels", "deltas") == positions
     with pytest.raises(ValueError, match=r"labels topic 'labels'.*reads 'other-labels'"):
-        terminal_table.decode_positions(data, "other-labels")
+        terminal_table.decode_positions(data, "other-labels", "deltas")
+    with pytest.raises(ValueError, match=r"deltas topic 'deltas'.*reads 'd2'"):
+        terminal_table.decode_positions(data, "labels", "d2")
+
+
+def test_a_delta_carries_a_batchs_event_counts_and_leaves_reports_out():
+    featurizer = StreamingFeaturizer()
+    featurizer.terminal_journal = []
+    featurizer.observe_labels(LabelBatch(["t9"], np.array([5], dtype=np.int64), np.array([True])))
+    assert terminal_deltas.encode_deltas(featurizer.take_terminal_journal()) is None  # reports only
+    ts = np.array([3, 2, 1], dtype=np.int64) * 86_400_000_000
+    featurizer.transform(EventBatch(["a", "b", "a"], ["t1", "t2", "t1"], ts, np.ones(3)))
+    op = terminal_deltas.decode_deltas(
+        "here", terminal_deltas.encode_deltas(featurizer.take_terminal_journal())
+    )
+    assert op.kind == "events" and op.terminals == ["t1", "t2", "t1"] and op.days.tolist() == [3, 2, 1]
+
+
+def test_a_flush_ends_with_the_positions():
+    featurizer = featurizer_with_two_terminals()
+    records = terminal_table.flush_records(featurizer.terminals, {"t2", "t1"}, Positions(), "l", "d")
+    assert [key for key, _ in records] == ["t1", "t2", POSITIONS_KEY]
 
 
 @pytest.fixture(scope="module")
@@ -51,89 +78,76 @@ def stream() -> list[tuple[EventBatch, LabelBatch | None]]:
     return list(replay_batches(frame, 200))
 
 
-def write(topic: dict, records) -> int:
-    """Apply one batch's records to a compacted topic as a read_committed reader would see it."""
-    for key, value in records:
-        topic[key] = value
-    return len(records)
+def terminal_bytes(terminals: StateTable) -> dict[str, bytes]:
+    return {t: terminals.get_bytes(t) for t in terminals}
 
 
-def restored(topic: dict, snapshot_batches: int) -> tuple[StreamingFeaturizer, TerminalTable]:
+def test_a_table_flushed_anywhere_plus_the_later_deltas_is_every_instances_state(stream):
+    """Three instances score interleaved batches, each writing its delta to a shared log; the writer folds
+    the log and flushes at irregular points (labels, read by all, are folded at the end: order-free); a restore from any flush, plus the deltas after
+    its positions, equals one featurizer that saw everything, and so does every live instance after it has
+    folded the others' deltas (as the service does each batch)."""
+    everything = StreamingFeaturizer()
+    instances = [StreamingFeaturizer() for _ in range(3)]
+    for instance in instances:
+        instance.terminal_journal = []
+    log: list[tuple[int, bytes]] = []  # the deltas topic: (writer instance, value)
+    labels: list[LabelBatch] = []
+    writer, writer_at, table, flushed = StreamingFeaturizer(), 0, {}, []
+    rng = np.random.default_rng(3)
+    for i, (events, batch_labels) in enumerate(stream):
+        everything.transform(events, batch_labels)
+        who = instances[i % 3]
+        who.transform(events)  # labels: every instance reads them; kept apart here, folded below
+        if batch_labels is not None:
+            labels.append(batch_labels)
+        log.append((i % 3, terminal_deltas.encode_deltas(who.take_terminal_journal())))
+        if rng.random() < 0.2:  # the writer catches up and flushes
+            ops = [terminal_deltas.decode_deltas("log", value) for _, value in log[writer_at:]]
+            writer.apply_terminal_ops(ops)
+            changed = {t for op in ops for t in op.terminals}
+            writer_at = len(log)
+            for key, value in terminal_table.flush_records(
+                writer.terminals, changed, Positions(deltas={0: writer_at}), "l", "d"
+            ):
+                table[key] = value
+            flushed.append(dict(table))
+
+    def restore(snapshot: dict) -> StreamingFeaturizer:
+        restored = StreamingFeaturizer()
+        positions = terminal_table.decode_positions(snapshot[POSITIONS_KEY], "l", "d")
+        restored.terminals = StateTable(TERMINAL_STATE)
+        for key, value in snapshot.items():
+            if key != POSITIONS_KEY:
+                restored.terminals.put_bytes(key, terminal_table.decode_terminal(key, value))
+        restored.apply_terminal_ops(
+            [terminal_deltas.decode_deltas("log", value) for _, value in log[positions.deltas[0] :]]
+        )
+        return restored
+
+    fraud = LabelBatch(
+        [t for b in labels for t in b.terminal_ids],
+        np.concatenate([b.label_ts_us for b in labels]),
+        np.concatenate([b.is_fraud for b in labels]),
+    )
+    expected = terminal_bytes(everything.terminals)
+    assert len(flushed) >= 5
+    for snapshot in flushed:
+        restored = restore(snapshot)
+        restored.observe_labels(fraud)
+        assert terminal_bytes(restored.terminals) == expected
+    for n, instance in enumerate(instances):
+        instance.apply_terminal_ops([terminal_deltas.decode_deltas("log", v) for w, v in log if w != n])
+        instance.observe_labels(fraud)
+        assert terminal_bytes(instance.terminals) == expected
+
+
+def test_an_events_op_folds_the_same_as_the_batch_that_made_it():
     featurizer = StreamingFeaturizer()
-    table = TerminalTable(featurizer, snapshot_batches, writer="restored")
-    table.restore(dict(topic), "labels")
-    return featurizer, table
-
-
-def terminal_bytes(featurizer: StreamingFeaturizer) -> dict[str, bytes]:
-    return {t: featurizer.terminals.get_bytes(t) for t in featurizer.terminals}
-
-
-def test_restoring_after_any_batch_gives_back_every_terminal_bit_for_bit(stream):
-    live = StreamingFeaturizer()
-    table = TerminalTable(live, snapshot_batches=7, writer="live")
-    topic: dict[str, bytes | None] = {}
-    sent = []
-    for i, (events, labels) in enumerate(stream):
-        if labels is not None and i % 2:
-            live.observe_labels(labels)  # between batches, as the service applies them
-            labels = None
-        live.transform(events, labels)
-        sent.append(write(topic, table.batch_records("labels", {0: i})))
-        if i % 9 == 4 or i == len(stream) - 1:
-            featurizer, _ = restored(topic, 7)
-            assert terminal_bytes(featurizer) == terminal_bytes(live), f"after batch {i}"
-    # A batch of 200 events touched ~150 terminals, each a record before the journal; now a handful.
-    assert max(sent) <= 3 + max(8, -(-len(live.terminals) // 7)), max(sent)
-    journal = [k for k, v in topic.items() if k.startswith(terminal_table.JOURNAL_PREFIX) and v is not None]
-    assert 0 < len(journal) <= 8, "journal records older than every terminal's snapshot are tombstoned"
-    assert terminal_table.decode_positions(topic[POSITIONS_KEY], "labels")[0] == {0: len(stream) - 1}
-
-
-def test_a_restored_instance_writes_on_and_restores_again_exactly(stream):
-    live = StreamingFeaturizer()
-    table = TerminalTable(live, snapshot_batches=5, writer="first")
-    topic: dict[str, bytes | None] = {}
-    half = len(stream) // 2
-    for events, labels in stream[:half]:
-        live.transform(events, labels)
-        write(topic, table.batch_records("labels", {}))
-    resumed, resumed_table = restored(topic, 5)  # a restart: a new writer goes on from the table
-    for events, labels in stream[half:]:
-        expected, _ = live.transform(events, labels)
-        got, _ = resumed.transform(events, labels)
-        np.testing.assert_array_equal(got[:, -9:], expected[:, -9:])  # the terminal features
-        write(topic, resumed_table.batch_records("labels", {}))
-        write({}, table.batch_records("labels", {}))  # keeps the live journal drained
-    again, _ = restored(topic, 5)
-    assert terminal_bytes(again) == terminal_bytes(live)
-
-
-def test_journaled_operations_redo_only_for_the_terminals_asked():
-    featurizer = featurizer_with_two_terminals()
     featurizer.terminal_journal = []
-    ts = np.array([1_700_090_000_000_000], dtype=np.int64)
-    featurizer.transform(EventBatch(["a"], ["t2"], ts, np.array([1.0])))
-    ops = featurizer.take_terminal_journal()
-    assert [(op.kind, op.terminals) for op in ops] == [("events", ["t2"])]
-    other = featurizer_with_two_terminals()
-    other.apply_terminal_ops(ops, redo=lambda terminal, index: terminal != "t2")
-    assert other.terminals.get_bytes("t2") != featurizer.terminals.get_bytes("t2")  # not redone
-    other.apply_terminal_ops(ops)
-    assert terminal_bytes(other) == terminal_bytes(featurizer)
-
-
-def test_idle_terminals_cost_nothing_and_the_journal_drains(stream):
-    live = StreamingFeaturizer()
-    table = TerminalTable(live, snapshot_batches=4, writer="live")
-    topic: dict[str, bytes | None] = {}
-    for events, labels in stream[:20]:  # hundreds of terminals become dirty
-        live.transform(events, labels)
-        write(topic, table.batch_records("labels", {}))
-    quiet = EventBatch(["A0"], ["T-busy"], stream[19][0].ts_us[-1:], np.array([3.0]))
-    sent = [write(topic, table.batch_records("labels", {})) for _ in range(30) if live.transform(quiet)]
-    assert not table.dirty and sent[-1] == 2  # its one terminal's snapshot and the positions: no journal
-    journal = [k for k, v in topic.items() if k.startswith(terminal_table.JOURNAL_PREFIX) and v is not None]
-    assert journal == [], "with nothing dirty, every journal record is tombstoned"
-    featurizer, _ = restored(topic, 4)
-    assert terminal_bytes(featurizer) == terminal_bytes(live)
+    ts = np.array([10, 12, 11], dtype=np.int64) * 86_400_000_000
+    featurizer.transform(EventBatch(["a"] * 3, ["t"] * 3, ts, np.ones(3)))
+    (op,) = featurizer.take_terminal_journal()
+    again = StreamingFeaturizer()
+    again.apply_terminal_ops([TerminalOp(op.kind, op.terminals, op.days)])
+    assert terminal_bytes(again.terminals) == terminal_bytes(featurizer.terminals)

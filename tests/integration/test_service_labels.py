@@ -1,23 +1,30 @@
 """Labels and the global terminal-risk table against the real broker: labels change the terminal features
-exactly as `Scorer.replay` applies them, the table (with its label positions) survives a restart, and bad
-labels go to dead-letter.
+exactly as `Scorer.replay` applies them, the table (with its label positions) survives a restart, bad
+labels go to dead-letter, and two instances on different partitions count every event at its terminal.
 
-One transactions partition (see test_service.py): the terminal table is shared by all accounts, so its
-values depend on the global order of events, which one partition makes the topic's order.
+Score parity uses one transactions partition (see test_service.py): terminal features depend on the global
+order of events, which one partition makes the topic's order. The two-instance test checks the terminal
+STATE, which is order-free, and the scores of a later instance that starts from it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
+import numpy as np
 import polars as pl
 import pytest
 
-from consumers.messages import Label, encode_label, encode_transaction, transactions_from_frame
+from consumers.compacted import Reader
+from consumers.messages import Label, Transaction, encode_label, encode_transaction, transactions_from_frame
 from consumers.scorer import Scorer
-from consumers.terminal_table import TerminalTable
+from consumers.terminal_deltas import decode_deltas
+from consumers.terminal_feed import label_batch
+from consumers.terminal_table import read_table
 from pipeline.artifact import load_model
-from pipeline.features.stream import StreamingFeaturizer
+from pipeline.features.stream import EventBatch, StreamingFeaturizer, replay_batches
+from pipeline.generate import GenerateConfig, generate
 from tests.integration import test_service
 from tests.integration.service_helpers import (
     Running,
@@ -27,6 +34,7 @@ from tests.integration.service_helpers import (
     read_committed,
     wait_for_scores,
 )
+from tests.integration.test_service_resilience import group_members, wait_until
 
 # The same fixtures as test_service.py: its history, its tiny model, its per-test topic prefix.
 frame, model_dir, service_cfg = test_service.frame, test_service.model_dir, test_service.service_cfg
@@ -81,6 +89,20 @@ def assert_scores_equal(by_event: dict[str, dict], reference: dict[str, float]) 
     assert worst <= TOLERANCE, f"service scores differ from Scorer.replay's by up to {worst:.3g}"
 
 
+def table_of(bootstrap: str, cfg):
+    reader = Reader.connect(bootstrap, "test-table")
+    try:
+        return read_table(
+            reader, cfg.topic("terminal_table"), cfg.topic("labels"), cfg.topic("terminal_deltas"), 30
+        )
+    finally:
+        reader.close()
+
+
+def terminal_bytes(terminals) -> dict[str, bytes]:
+    return {t: terminals.get_bytes(t) for t in terminals}
+
+
 def test_labels_change_terminal_features_like_replay(kafka_bootstrap, service_cfg, frame, model_dir):
     cfg = service_cfg()
     events = transactions_from_frame(frame)
@@ -112,12 +134,13 @@ def test_labels_change_terminal_features_like_replay(kafka_bootstrap, service_cf
     without = replay_scores(model_dir, frame.with_columns(is_fraud=pl.lit(False)))
     moved = max(abs(with_reports[t.event_id] - without[t.event_id]) for t in events[split:])
     assert moved > 1e-4, "the labels did not change any score: the test would not see them ignored"
-    # The table, committed with the scores, reads back as every terminal and the label positions.
-    table = {r.key.decode(): r.value for r in read_committed(kafka_bootstrap, cfg.topic("terminal_table"))}
-    restored = StreamingFeaturizer()
-    positions = TerminalTable(restored, 100, "reader").restore(table, cfg.topic("labels"))
-    assert set(restored.terminals) == set(frame["terminal_id"].to_list())
-    assert positions == {0: len(labels)}
+    # The writer drained and flushed when the service stopped: the table holds every label and event.
+    terminals, positions = table_of(kafka_bootstrap, cfg)
+    assert positions.labels == {0: len(labels)}
+    reference = StreamingFeaturizer()
+    for batch, batch_labels in replay_batches(labelled, 500):
+        reference.transform(batch, batch_labels)
+    assert terminal_bytes(terminals) == terminal_bytes(reference.terminals)
 
 
 def test_a_restarted_service_restores_the_terminal_table_and_label_positions(
@@ -175,11 +198,103 @@ def test_a_bad_label_goes_to_dead_letter_and_good_ones_apply(kafka_bootstrap, se
 
     running = Running(cfg, model_dir, kafka_bootstrap)
     wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running)
-    dead = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("dead_letter"))]
     assert running.thread.is_alive() and running.error is None, "a bad label stopped the service"
-    stats = running.stop()
+    stats = running.stop()  # the table writer, which dead-letters bad labels, flushes on the way out
+    dead = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("dead_letter"))]
 
     assert len(dead) == len(bad) and stats.dead_lettered == len(bad) and stats.labels_applied == 1
     for expected in bad.values():
         assert any(expected in d["reason"] for d in dead), f"no dead letter says {expected!r}: {dead}"
     assert {d["source_topic"] for d in dead} == {cfg.topic("labels")}
+
+
+@pytest.mark.timeout(300)
+def test_two_instances_count_every_event_at_its_terminal(kafka_bootstrap, service_cfg, model_dir):
+    """A and B split 4 partitions of a history whose accounts share terminals, with fraud labels mixed in.
+    Then new accounts, one at each terminal, must score as with a scorer that saw the whole history: on A
+    and B while they run (each has folded in the other's deltas), and on C, which starts after they stop,
+    from the table plus the deltas after it. And the table plus those deltas is the terminal state of EVERY
+    event and label, not one instance's share."""
+    cfg = service_cfg(max_poll_records=50, terminal_table_flush_s=0.5)
+    history = generate(GenerateConfig(accounts=150, days=10, seed=21)).sort("ts", "event_id")
+    events = transactions_from_frame(history)
+    terminals = sorted(set(history["terminal_id"].to_list()))
+    assert len(events) > 800 and len(events) > 5 * len(terminals)  # terminals are shared across accounts
+    split = split_at_new_ts(history, len(events) // 2)
+    labelled, labels = with_labels(history, split)
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=4)
+    create_topic(kafka_bootstrap, cfg.topic("labels"), partitions=4)
+
+    def newcomers(tag: str, days_later: int) -> list[Transaction]:
+        at = int(history["ts"].max().timestamp() * 1e6) + days_later * 86_400_000_000
+        return [
+            Transaction(f"{tag}-{i}", f"{tag}-account-{i}", at + i, 42.0 + i, terminal)
+            for i, terminal in enumerate(terminals)
+        ]
+
+    def scored(messages: list[Transaction], running: Running, total: int) -> dict[str, dict]:
+        produce(
+            kafka_bootstrap,
+            cfg.topic("transactions"),
+            [(t.account_id, encode_transaction(t)) for t in messages],
+        )
+        return {
+            s["event_id"]: s for s in wait_for_scores(kafka_bootstrap, cfg.topic("scores"), total, running)
+        }
+
+    a = Running(cfg, model_dir, kafka_bootstrap)
+    b = Running(cfg, model_dir, kafka_bootstrap)
+    wait_until(
+        lambda: group_members(kafka_bootstrap, cfg.group_id) == ("Stable", 2), "a stable group of 2", 120, a
+    )
+    produce(kafka_bootstrap, cfg.topic("labels"), [(label.event_id, encode_label(label)) for label in labels])
+    scored(events, a, len(events))
+    time.sleep(2)  # idle: each instance folds in the other's last deltas
+    first = newcomers("first", 1)
+    live = scored(first, a, len(events) + len(first))
+    a_stats, b_stats = a.stop(), b.stop()
+    assert a_stats.events_scored > 0 and b_stats.events_scored > 0, "one instance scored everything"
+    assert a_stats.terminal_deltas_applied > 0 and b_stats.terminal_deltas_applied > 0
+    assert a_stats.terminal_table_flushes + b_stats.terminal_table_flushes > 0
+
+    everything = StreamingFeaturizer()
+    for batch, batch_labels in replay_batches(labelled, 500):
+        everything.transform(batch, batch_labels)
+    everything.transform(
+        EventBatch(
+            [t.account_id for t in first],
+            [t.terminal_id for t in first],
+            np.array([t.ts_us for t in first]),
+            np.array([t.amount for t in first]),
+        )
+    )
+    table, positions = table_of(kafka_bootstrap, cfg)
+    restored = StreamingFeaturizer()
+    restored.terminals = table
+    deltas = [
+        decode_deltas("test", r.value)
+        for r in read_committed(kafka_bootstrap, cfg.topic("terminal_deltas"))
+        if r.offset >= positions.deltas.get(r.partition, 0)
+    ]
+    restored.apply_terminal_ops(deltas)
+    assert terminal_bytes(restored.terminals) == terminal_bytes(everything.terminals)
+
+    second = newcomers("second", 2)
+    c = Running(cfg, model_dir, kafka_bootstrap)
+    later = scored(second, c, len(events) + len(first) + len(second))
+    c.stop()
+
+    reference = Scorer(load_model(model_dir))
+    reference.score(events)
+    reference.observe_labels(label_batch(labels))
+    expected = {"first": reference.score(first), "second": reference.score(second)}
+    for got, tag in ((live, "first"), (later, "second")):
+        worst = max(abs(got[r.event_id]["score"] - r.score) for r in expected[tag])
+        assert worst <= TOLERANCE, (
+            f"a {tag} newcomer's score differs from the whole-history scorer's by {worst:.3g}"
+        )
+    half = Scorer(load_model(model_dir))
+    half.score(events[::2])
+    half.observe_labels(label_batch(labels))
+    moved = max(abs(r.score - h.score) for r, h in zip(expected["first"], half.score(first), strict=True))
+    assert moved > 1e-4, "half the terminal counts give the same scores: the test could not see them missing"

@@ -259,7 +259,9 @@ def test_terminal_state_is_the_same_whatever_order_and_split_the_events_are_fold
             )
         )
     labels = LabelBatch(
-        fraud["terminal_id"].to_list(), fraud["label_ts"].dt.epoch("us").to_numpy(), np.ones(fraud.height, bool)
+        fraud["terminal_id"].to_list(),
+        fraud["label_ts"].dt.epoch("us").to_numpy(),
+        np.ones(fraud.height, bool),
     )
     halves[1].observe_labels(labels)
     merged = StreamingFeaturizer()

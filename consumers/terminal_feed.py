@@ -1,0 +1,143 @@
+"""What terminal state is folded from, read by one consumer: `labels` and `terminal-deltas`, all partitions.
+
+No consumer group: every scorer and the table writer read every partition of both, from the positions the
+terminal table records (consumers/terminal_table.py), and `seek` puts a reader back there on start and after
+an aborted batch. read_committed: an aborted batch's deltas never count.
+
+Three ways to read (FeedReader.read):
+- `labels_to_end`: labels up to their end offsets as of the call, so a label committed before a batch is
+  read is applied to that batch's events; deltas are taken as they come (another instance's batch reaches
+  this one a batch cycle or so later: there is no global order to keep between instances);
+- `to_high_watermark`: both topics up to their high watermarks, waiting out open transactions, as restores
+  do (consumers/compacted.py says why the high watermark);
+- neither: one poll, whatever has arrived (the table writer's loop).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from kafka import KafkaConsumer
+from kafka.structs import TopicPartition
+
+from consumers.messages import Label, MessageError, decode_label
+from consumers.terminal_deltas import decode_deltas
+from consumers.terminal_table import Positions
+from pipeline.features.stream import LabelBatch, TerminalOp
+
+
+@dataclass
+class FeedRead:
+    labels: list[Label] = field(default_factory=list)
+    bad_labels: list[tuple[object, MessageError]] = field(default_factory=list)  # (record, why)
+    deltas: list[TerminalOp] = field(default_factory=list)  # of other sessions, to fold in
+    own_deltas: int = 0  # records of the reader's own session, skipped
+
+
+class FeedReader:
+    def __init__(
+        self,
+        consumer: KafkaConsumer,
+        watermarks: KafkaConsumer,
+        labels_topic: str,
+        deltas_topic: str,
+        timeout_s: float,
+    ):
+        """`consumer`: read_committed, no group; `watermarks`: read_uncommitted, only asked for high
+        watermarks (consumers/compacted.Reader has both)."""
+        self.consumer, self.watermarks, self.timeout_s = consumer, watermarks, timeout_s
+        self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
+        self.label_tps = self._partitions(labels_topic)
+        self.delta_tps = self._partitions(deltas_topic)
+        consumer.assign(self.label_tps + self.delta_tps)
+
+    def _partitions(self, topic: str) -> list[TopicPartition]:
+        partitions = self.consumer.partitions_for_topic(topic)
+        if not partitions:
+            raise ValueError(f"topic {topic!r} has no partitions (does it exist?)")
+        return [TopicPartition(topic, p) for p in sorted(partitions)]
+
+    def seek(self, positions: Positions) -> None:
+        """Go to `positions`; a partition without one starts from its beginning."""
+        for tps, offsets in ((self.label_tps, positions.labels), (self.delta_tps, positions.deltas)):
+            missing = [tp for tp in tps if tp.partition not in offsets]
+            if missing:
+                self.consumer.seek_to_beginning(*missing)
+            for tp in tps:
+                if tp.partition in offsets:
+                    self.consumer.seek(tp, offsets[tp.partition])
+
+    def positions(self) -> Positions:
+        return Positions(
+            labels={tp.partition: self.consumer.position(tp) for tp in self.label_tps},
+            deltas={tp.partition: self.consumer.position(tp) for tp in self.delta_tps},
+        )
+
+    def read(
+        self,
+        session: bytes | None = None,
+        labels_to_end: bool = False,
+        to_high_watermark: bool = False,
+        timeout_ms: int = 0,
+        timeout_s: float | None = None,
+    ) -> FeedRead:
+        """Labels (bad ones apart) and the deltas of sessions other than `session`, in partition then
+        offset order per poll (module docstring: how far it reads). `timeout_ms`: the first poll's wait;
+        TimeoutError when reading to an end takes over `timeout_s` (default: the reader's)."""
+        started = time.monotonic()
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if to_high_watermark:
+            end = self.watermarks.end_offsets(self.label_tps + self.delta_tps)
+        elif labels_to_end:
+            end = self.consumer.end_offsets(self.label_tps)
+        else:
+            end = {}
+        out = FeedRead()
+        self._take(self.consumer.poll(timeout_ms=timeout_ms), session, out)  # what has arrived
+        while any(self.consumer.position(tp) < offset for tp, offset in end.items()):
+            if time.monotonic() - started > timeout_s:
+                left = {
+                    f"{tp.topic}[{tp.partition}]": o - self.consumer.position(tp) for tp, o in end.items()
+                }
+                raise TimeoutError(
+                    f"reading labels and terminal deltas took over {timeout_s} s with {left} records left; "
+                    "a transaction still open there holds the read (the broker aborts a crashed producer's "
+                    "after its transaction_timeout_ms); raise restore_timeout_s or check the broker"
+                )
+            self._take(self.consumer.poll(timeout_ms=100), session, out)
+        return out
+
+    def _take(self, batch: dict, session: bytes | None, out: FeedRead) -> None:
+        for tp in sorted(batch, key=lambda tp: (tp.topic, tp.partition)):
+            if tp.topic == self.labels_topic:
+                self._labels(batch[tp], out)
+            else:
+                self._deltas(batch[tp], session, out)
+
+    @staticmethod
+    def _labels(records, out: FeedRead) -> None:
+        for record in records:
+            try:
+                if record.value is None:
+                    raise MessageError("null value (a tombstone): expected a JSON label")
+                out.labels.append(decode_label(record.value))
+            except MessageError as error:
+                out.bad_labels.append((record, error))
+
+    @staticmethod
+    def _deltas(records, session: bytes | None, out: FeedRead) -> None:
+        for record in records:
+            if session is not None and record.key == session:
+                out.own_deltas += 1
+                continue
+            where = f"{record.topic}[{record.partition}]@{record.offset}"
+            out.deltas.append(decode_deltas(where, record.value or b""))
+
+
+def label_batch(labels: list[Label]) -> LabelBatch:
+    n = len(labels)
+    return LabelBatch(
+        terminal_ids=[label.terminal_id for label in labels],
+        label_ts_us=np.fromiter((label.label_ts_us for label in labels), dtype=np.int64, count=n),
+        is_fraud=np.fromiter((label.is_fraud for label in labels), dtype=bool, count=n),
+    )

@@ -1,0 +1,164 @@
+"""The terminal table's one writer: folds every terminal delta and every label into the compacted table.
+
+It runs on a thread of the service instance that owns partition 0 of `transactions` (the consumer group picks
+that instance, and moves the writer when it moves the partition), with its own Kafka clients. Its
+transactional id is the same for every instance of a deployment ({transactional_id_prefix}-terminal-table),
+so a writer that starts fences any older one, and only then reads the table: a zombie can never commit over
+a table the new writer has read.
+
+A run: start the producer (init_transactions), read the table (consumers/terminal_table.read_table), seek
+the feed to its positions, then fold what arrives. Every `flush_s`, when something changed, ONE transaction
+writes the changed terminals, the bad labels to `dead-letter` (the writer is the one reader that dead-letters
+them, so each goes there once however many instances read it), and the positions, last. The table is then
+exactly the fold of everything before its positions. A failed run (broker away, fenced) is logged and
+started again after a pause, from the table. On stop it drains what has arrived and flushes.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kafka import KafkaProducer
+from kafka.serializer import DefaultSerializer
+
+from consumers.compacted import Reader
+from consumers.metrics import Metrics
+from consumers.service_config import ServeConfig
+from consumers.terminal_feed import FeedRead, FeedReader, label_batch
+from consumers.terminal_table import flush_records, read_table
+from pipeline.features.stream import StreamingFeaturizer
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 2.0  # a failed run is started again after this pause
+POLL_MS = 200  # the loop's poll; also how quickly stop() is noticed
+DRAIN_TIMEOUT_S = 10.0  # on stop; what is not drained by then stays in the topics for the next writer
+
+
+@dataclass
+class WriterStats:
+    flushes: int = 0
+    terminals_written: int = 0
+    labels_dead_lettered: int = 0
+    failed_runs: int = 0
+
+
+class TerminalTableWriter:
+    def __init__(self, cfg: ServeConfig, bootstrap: str, metrics: Metrics, dead_letter_value):
+        """`dead_letter_value(record, error) -> bytes`: the service's dead-letter format."""
+        self.cfg, self.bootstrap, self.metrics = cfg, bootstrap, metrics
+        self.dead_letter_value = dead_letter_value
+        self.transactional_id = f"{cfg.transactional_id_prefix}-terminal-table"
+        self.stats = WriterStats()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="txs-terminal-writer", daemon=True)
+        self._thread.start()
+        log.info("terminal table writer started transactional_id=%s", self.transactional_id)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Drain, flush and close; returns once the thread has ended (or `timeout_s` has passed)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("terminal table writer still running %.0f s after stop", timeout_s)
+        self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._run()
+            except Exception as error:
+                self.stats.failed_runs += 1
+                log.warning(
+                    "terminal table writer failed error=%r; starting again from the table in %.0f s",
+                    error, RETRY_AFTER_S, exc_info=log.isEnabledFor(logging.DEBUG),
+                )  # fmt: skip
+                self._stop.wait(RETRY_AFTER_S)
+
+    def _run(self) -> None:
+        cfg = self.cfg
+        security = cfg.kafka_security
+        producer = KafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            transactional_id=self.transactional_id,
+            transaction_timeout_ms=cfg.transaction_timeout_ms,
+            retry_backoff_ms=cfg.producer_retry_backoff_ms,
+            key_serializer=DefaultSerializer(),  # terminal ids (str) and dead letters' original keys (bytes)
+            **security,
+        )
+        reader = None
+        try:
+            producer.init_transactions()  # fences an older writer before the table is read (module doc)
+            reader = Reader.connect(self.bootstrap, "txsentinel-terminal-writer", **security)
+            topics = (cfg.topic("labels"), cfg.topic("terminal_deltas"))
+            featurizer = StreamingFeaturizer()
+            featurizer.terminals, positions = read_table(
+                reader, cfg.topic("terminal_table"), *topics, cfg.restore_timeout_s
+            )
+            feed = FeedReader(reader.committed, reader.watermarks, *topics, cfg.restore_timeout_s)
+            feed.seek(positions)
+            flushed_at = feed.positions()
+            changed: set[str] = set()
+            bad: list = []
+            last_flush = time.monotonic()
+            while True:
+                stopping = self._stop.is_set()
+                # Stopping: everything committed so far, this instance's last batch included, then a flush.
+                got = feed.read(to_high_watermark=stopping, timeout_ms=POLL_MS, timeout_s=DRAIN_TIMEOUT_S)
+                self._fold(featurizer, got, changed)
+                bad += got.bad_labels
+                due = stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s
+                if due and (changed or bad or feed.positions() != flushed_at):
+                    self._flush(producer, featurizer, changed, bad, feed.positions())
+                    changed, bad, flushed_at = set(), [], feed.positions()
+                if due:
+                    last_flush = time.monotonic()
+                if stopping:
+                    return
+        finally:
+            for name, close in (
+                ("producer", lambda: producer.close(timeout=5)),
+                ("reader", lambda: reader is not None and reader.close()),
+            ):
+                try:
+                    close()
+                except Exception as error:  # closing the rest matters more
+                    log.warning("terminal table writer: closing the %s failed error=%r", name, error)
+
+    @staticmethod
+    def _fold(featurizer: StreamingFeaturizer, got: FeedRead, changed: set[str]) -> None:
+        featurizer.apply_terminal_ops(got.deltas)
+        for op in got.deltas:
+            changed.update(op.terminals)
+        if got.labels:
+            featurizer.observe_labels(label_batch(got.labels))
+            changed.update(label.terminal_id for label in got.labels if label.is_fraud)
+
+    def _flush(self, producer, featurizer, changed: set[str], bad: list, positions) -> None:
+        cfg = self.cfg
+        table, dead_letter = cfg.topic("terminal_table"), cfg.topic("dead_letter")
+        producer.begin_transaction()
+        for record, error in bad:
+            producer.send(dead_letter, key=record.key, value=self.dead_letter_value(record, error))
+        for key, value in flush_records(
+            featurizer.terminals, changed, positions, cfg.topic("labels"), cfg.topic("terminal_deltas")
+        ):
+            producer.send(table, key=key, value=value, partition=0)
+        producer.commit_transaction()
+        self.stats.flushes += 1
+        self.stats.terminals_written += len(changed)
+        self.stats.labels_dead_lettered += len(bad)
+        self.metrics.inc("txsentinel_terminal_table_flushes_total")
+        self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
+        log.debug("terminal table flushed terminals=%d dead_letters=%d", len(changed), len(bad))
