@@ -187,7 +187,7 @@ class _Service:
             **security,
         )
         self.feed = FeedReader(
-            self.feed_consumer, self.restorer.watermarks, cfg.topic("labels"), cfg.topic("terminal_deltas"),
+            self.feed_consumer, self.restorer, cfg.topic("labels"), cfg.topic("terminal_deltas"),
             cfg.restore_timeout_s,
         )  # fmt: skip
         self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics, dead_letter_value)

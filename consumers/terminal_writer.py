@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer
 from kafka.serializer import DefaultSerializer
 
 from consumers.compacted import Reader
@@ -97,7 +97,7 @@ class TerminalTableWriter:
             key_serializer=DefaultSerializer(),  # terminal ids (str) and dead letters' original keys (bytes)
             **security,
         )
-        reader = None
+        reader = feed_consumer = None
         try:
             producer.init_transactions()  # fences an older writer before the table is read (module doc)
             reader = Reader.connect(self.bootstrap, "txsentinel-terminal-writer", **security)
@@ -106,7 +106,14 @@ class TerminalTableWriter:
             featurizer.terminals, positions = read_table(
                 reader, cfg.topic("terminal_table"), *topics, cfg.restore_timeout_s
             )
-            feed = FeedReader(reader.committed, reader.watermarks, *topics, cfg.restore_timeout_s)
+            feed_consumer = KafkaConsumer(
+                bootstrap_servers=self.bootstrap,
+                isolation_level="read_committed",
+                enable_auto_commit=False,
+                client_id="txsentinel-terminal-writer-feed",
+                **security,
+            )
+            feed = FeedReader(feed_consumer, reader, *topics, cfg.restore_timeout_s)
             feed.seek(positions)
             flushed_at = feed.positions()
             changed: set[str] = set()
@@ -130,6 +137,7 @@ class TerminalTableWriter:
             for name, close in (
                 ("producer", lambda: producer.close(timeout=5)),
                 ("reader", lambda: reader is not None and reader.close()),
+                ("feed consumer", lambda: feed_consumer is not None and feed_consumer.close()),
             ):
                 try:
                     close()
