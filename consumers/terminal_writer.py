@@ -59,8 +59,12 @@ class TerminalTableWriter:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="txs-terminal-writer", daemon=True)
+        # A fresh event per start: a thread that outlived its stop() keeps its own, set, and ends when it can
+        # (should it overlap the new one, the new producer's init_transactions fences it).
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, args=(self._stop,), name="txs-terminal-writer", daemon=True
+        )
         self._thread.start()
         log.info("terminal table writer started transactional_id=%s", self.transactional_id)
 
@@ -74,19 +78,19 @@ class TerminalTableWriter:
             log.warning("terminal table writer still running %.0f s after stop", timeout_s)
         self._thread = None
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             try:
-                self._run()
+                self._run(stop)
             except Exception as error:
                 self.stats.failed_runs += 1
                 log.warning(
                     "terminal table writer failed error=%r; starting again from the table in %.0f s",
                     error, RETRY_AFTER_S, exc_info=log.isEnabledFor(logging.DEBUG),
                 )  # fmt: skip
-                self._stop.wait(RETRY_AFTER_S)
+                stop.wait(RETRY_AFTER_S)
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         cfg = self.cfg
         security = cfg.kafka_security
         producer = KafkaProducer(
@@ -120,7 +124,7 @@ class TerminalTableWriter:
             bad: list = []
             last_flush = time.monotonic()
             while True:
-                stopping = self._stop.is_set()
+                stopping = stop.is_set()
                 # Stopping: everything committed so far, this instance's last batch included, then a flush.
                 got = feed.read(to_high_watermark=stopping, timeout_ms=POLL_MS, timeout_s=DRAIN_TIMEOUT_S)
                 self._fold(featurizer, got, changed)
