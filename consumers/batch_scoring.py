@@ -13,8 +13,6 @@ has returned). In order:
    changelog partition of the event that changed them.
 """
 
-import base64
-import json
 import time
 from collections.abc import Callable
 
@@ -22,7 +20,7 @@ from kafka.structs import OffsetAndMetadata
 
 from consumers.commit_pipeline import ScoredBatch
 from consumers.dormant import DormantStates, Place
-from consumers.messages import MessageError, decode_transaction, encode_scores
+from consumers.messages import MessageError, dead_letter_value, decode_transaction, encode_scores
 from consumers.scorer import Scorer
 from consumers.service_config import ServeConfig
 from consumers.terminal_deltas import encode_deltas
@@ -129,17 +127,3 @@ class BatchScorer:
         if got.labels:
             self.scorer.observe_labels(label_batch(got.labels))
         return len(got.labels), len(got.deltas)
-
-
-def dead_letter_value(record, error: MessageError) -> bytes:
-    # The original bytes travel base64-encoded: they may not be UTF-8, let alone JSON.
-    return json.dumps(
-        {
-            "reason": str(error),
-            "source_topic": record.topic,
-            "source_partition": record.partition,
-            "source_offset": record.offset,
-            "value_base64": None if record.value is None else base64.b64encode(record.value).decode(),
-        },
-        separators=(",", ":"),
-    ).encode()

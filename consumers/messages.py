@@ -14,6 +14,7 @@ A message that does not decode raises MessageError with a reason a person can ac
 to `dead-letter` with that reason instead of stopping.
 """
 
+import base64
 import json
 import math
 from collections.abc import Sequence
@@ -218,3 +219,17 @@ def encode_scores(records: Sequence, model_version: str) -> list[bytes]:
         ).encode()
         for r, ts in zip(records, stamps, strict=True)
     ]
+
+
+def dead_letter_value(record, error: MessageError) -> bytes:
+    # The original bytes travel base64-encoded: they may not be UTF-8, let alone JSON.
+    return json.dumps(
+        {
+            "reason": str(error),
+            "source_topic": record.topic,
+            "source_partition": record.partition,
+            "source_offset": record.offset,
+            "value_base64": None if record.value is None else base64.b64encode(record.value).decode(),
+        },
+        separators=(",", ":"),
+    ).encode()

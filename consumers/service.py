@@ -24,7 +24,6 @@ writer (consumers/terminal_writer.py).
 
 import gc
 import logging
-import signal
 import threading
 import time
 import uuid
@@ -39,13 +38,14 @@ from kafka.serializer import DefaultSerializer
 from kafka.structs import TopicPartition
 
 from consumers.batch_limit import BatchLimit
-from consumers.batch_scoring import BatchScorer, dead_letter_value
+from consumers.batch_scoring import BatchScorer
 from consumers.commit_pipeline import Committed, ScoredBatch, TransactionPipeline
 from consumers.compacted import Reader, read_at, read_recent
 from consumers.dormant import DormantStates
 from consumers.metrics import Metrics, MetricsServer
 from consumers.scorer import Scorer
 from consumers.service_config import ServeConfig
+from consumers.signals import stop_on_signals
 from consumers.terminal_feed import FeedReader, label_batch
 from consumers.terminal_table import read_table
 from consumers.terminal_writer import TerminalTableWriter
@@ -93,34 +93,23 @@ def serve(
     loaded = load_model(model) if isinstance(model, str) else model
     stop = stop_event or threading.Event()
     service = _Service(cfg, loaded)
-    previous = _install_signal_handlers(stop)
-    try:
-        service.start(bootstrap)
-        # torch, polars, MLflow and the model leave ~350k long-lived objects, and a full collection walks
-        # them all: 0.18 s, in the middle of a batch. Frozen, they are left out of every later collection
-        # (at 2,000 events/s, p99 latency after the start: 108-110 ms frozen, 115-127 ms not).
-        gc.collect()
-        gc.freeze()
-        service.run(stop)
-    finally:
-        gc.unfreeze()  # serve() may be a library call (tests, the demo): leave the collector as it was
-        service.close()
-        if service.writer is not None:  # None: start() failed before building it
-            service.stats.terminal_table_flushes = service.writer.stats.flushes
-            service.stats.dead_lettered += service.writer.stats.labels_dead_lettered
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stop_on_signals(stop):
+        try:
+            service.start(bootstrap)
+            # torch, polars, MLflow and the model leave ~350k long-lived objects, and a full collection
+            # walks them all: 0.18 s, in the middle of a batch. Frozen, they are left out of every later
+            # collection (at 2,000 events/s, p99 latency after the start: 108-110 ms frozen, 115-127 ms not).
+            gc.collect()
+            gc.freeze()
+            service.run(stop)
+        finally:
+            gc.unfreeze()  # serve() may be a library call (tests, the demo): leave the collector as it was
+            service.close()
+            if service.writer is not None:  # None: start() failed before building it
+                service.stats.terminal_table_flushes = service.writer.stats.flushes
+                service.stats.dead_lettered += service.writer.stats.labels_dead_lettered
     log.info("serve stopped %s", " ".join(f"{k}={v}" for k, v in asdict(service.stats).items()))
     return service.stats
-
-
-def _install_signal_handlers(stop: threading.Event) -> dict:
-    if threading.current_thread() is not threading.main_thread():
-        return {}  # Python allows handlers in the main thread only; the caller owns stop_event then
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
-    return previous
 
 
 class _Listener(ConsumerRebalanceListener):
@@ -190,7 +179,7 @@ class _Service:
             self.feed_consumer, self.restorer, cfg.topic("labels"), cfg.topic("terminal_deltas"),
             cfg.restore_timeout_s,
         )  # fmt: skip
-        self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics, dead_letter_value)
+        self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics)
         self.batches = BatchScorer(
             cfg, self.scorer, self.feed, self.model_version, co_partitioned, self.dormant,
             lambda wanted: read_at(self.restorer, self.changelog, wanted, cfg.restore_timeout_s),
@@ -522,8 +511,9 @@ class _Service:
         self.metrics.inc("txsentinel_terminal_deltas_applied_total", deltas)
 
     def _run_writer(self, partitions: Iterable[int], assigned: bool) -> None:
-        """The table writer runs where transactions partition 0 is (consumers/terminal_writer.py)."""
-        if 0 not in partitions:
+        """The table writer runs where transactions partition 0 is (consumers/terminal_writer.py), unless
+        it runs on its own (terminal_table_writer: external)."""
+        if 0 not in partitions or self.cfg.terminal_table_writer != "embedded":
             return
         if assigned and not self.writer.running:
             self.writer.start()

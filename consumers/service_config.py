@@ -45,6 +45,9 @@ class ServeConfig:
     # The table writer commits the changed terminals this often; a restore then folds at most about this
     # long of deltas on top of the table.
     terminal_table_flush_s: float = 2.0
+    # "embedded": the instance that owns transactions partition 0 runs the table writer on a thread;
+    # "external": no instance does, run `txsentinel terminal-writer` (one process per deployment) instead.
+    terminal_table_writer: str = "embedded"
     # How long deltas stay in their topic: the table writer must read them before they go (days, not
     # seconds: a writer that is down longer than this loses counts). Used only when the topic is created.
     terminal_deltas_retention_ms: int = 7 * 24 * 3600 * 1000
@@ -128,6 +131,11 @@ class ServeConfig:
         ):
             raise ValueError(
                 f"serve config: instance_id = {self.instance_id!r}, expected a non-empty name or null"
+            )
+        if self.terminal_table_writer not in ("embedded", "external"):
+            raise ValueError(
+                f"serve config: terminal_table_writer = {self.terminal_table_writer!r}, expected 'embedded' "
+                "(an instance runs it) or 'external' (txsentinel terminal-writer runs it)"
             )
         if not self.group_id:
             raise ValueError("serve config: group_id is empty; every service instance needs its group")

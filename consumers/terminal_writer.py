@@ -1,8 +1,11 @@
 """The terminal table's one writer: folds every terminal delta and every label into the compacted table.
 
 It runs on a thread of the service instance that owns partition 0 of `transactions` (the consumer group picks
-that instance, and moves the writer when it moves the partition), with its own Kafka clients. Its
-transactional id is the same for every instance of a deployment ({transactional_id_prefix}-terminal-table),
+that instance, and moves the writer when it moves the partition), with its own Kafka clients; or, with
+`terminal_table_writer: external`, in a process of its own (`txsentinel terminal-writer`, run_writer below),
+which keeps its work off the scorers' interpreter. Its
+transactional id is the same for every instance of a deployment
+({transactional_id_prefix}-terminal-table-{group_id}),
 so a writer that starts fences any older one, and only then reads the table: a zombie can never commit over
 a table the new writer has read.
 
@@ -23,10 +26,13 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka.serializer import DefaultSerializer
 
 from consumers.compacted import Reader
-from consumers.metrics import Metrics
+from consumers.messages import dead_letter_value
+from consumers.metrics import Metrics, MetricsServer
 from consumers.service_config import ServeConfig
+from consumers.signals import stop_on_signals
 from consumers.terminal_feed import FeedRead, FeedReader, label_batch
 from consumers.terminal_table import flush_records, read_table
+from consumers.topics import ensure_topics
 from pipeline.features.stream import StreamingFeaturizer
 
 log = logging.getLogger(__name__)
@@ -45,11 +51,10 @@ class WriterStats:
 
 
 class TerminalTableWriter:
-    def __init__(self, cfg: ServeConfig, bootstrap: str, metrics: Metrics, dead_letter_value):
-        """`dead_letter_value(record, error) -> bytes`: the service's dead-letter format."""
+    def __init__(self, cfg: ServeConfig, bootstrap: str, metrics: Metrics):
         self.cfg, self.bootstrap, self.metrics = cfg, bootstrap, metrics
-        self.dead_letter_value = dead_letter_value
-        self.transactional_id = f"{cfg.transactional_id_prefix}-terminal-table"
+        # One per deployment (its group): writers of other deployments on the cluster never fence this one.
+        self.transactional_id = f"{cfg.transactional_id_prefix}-terminal-table-{cfg.group_id}"
         self.stats = WriterStats()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -162,7 +167,7 @@ class TerminalTableWriter:
         table, dead_letter = cfg.topic("terminal_table"), cfg.topic("dead_letter")
         producer.begin_transaction()
         for record, error in bad:
-            producer.send(dead_letter, key=record.key, value=self.dead_letter_value(record, error))
+            producer.send(dead_letter, key=record.key, value=dead_letter_value(record, error))
         for key, value in flush_records(
             featurizer.terminals, changed, positions, cfg.topic("labels"), cfg.topic("terminal_deltas")
         ):
@@ -174,3 +179,23 @@ class TerminalTableWriter:
         self.metrics.inc("txsentinel_terminal_table_flushes_total")
         self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
         log.debug("terminal table flushed terminals=%d dead_letters=%d", len(changed), len(bad))
+
+
+def run_writer(cfg: ServeConfig, bootstrap: str, stop_event: threading.Event | None = None) -> WriterStats:
+    """`txsentinel terminal-writer`: the table writer in a process of its own, until `stop_event` is set or
+    SIGTERM/SIGINT arrives; it drains and flushes before returning. Creates missing topics like serve."""
+    stop = stop_event or threading.Event()
+    metrics = Metrics()
+    with stop_on_signals(stop):
+        ensure_topics(cfg, bootstrap)
+        server = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port) if cfg.metrics_port else None
+        writer = TerminalTableWriter(cfg, bootstrap, metrics)
+        writer.start()
+        try:
+            stop.wait()
+        finally:
+            writer.stop()
+            if server is not None:
+                server.close()
+    log.info("terminal writer stopped %s", writer.stats)
+    return writer.stats

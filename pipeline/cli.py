@@ -72,19 +72,43 @@ def _promote(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _add_serve_settings(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--bootstrap-servers", default="127.0.0.1:39092", help="Kafka bootstrap (default: project's)"
+    )
+    p.add_argument("--group-id", default=None, help="the scoring consumer group (default from the config)")
+    p.add_argument(
+        "--config", type=Path, default=None, help="serve settings YAML (default configs/serve.yaml)"
+    )
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting (repeatable)")
+
+
+def _serve_config(args: argparse.Namespace):
+    """The serve settings of `serve` and `terminal-writer`: the YAML, then --group-id and --set; and logging."""
     import logging
 
-    from consumers.service import serve
     from consumers.service_config import DEFAULT_CONFIG_FILE, load_serve_config, parse_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     overrides = parse_settings(args.set)
     if args.group_id:
         overrides["group_id"] = args.group_id
-    cfg = load_serve_config(args.config or DEFAULT_CONFIG_FILE, overrides)
-    stats = serve(cfg, args.model, args.bootstrap_servers)
+    return load_serve_config(args.config or DEFAULT_CONFIG_FILE, overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from consumers.service import serve
+
+    stats = serve(_serve_config(args), args.model, args.bootstrap_servers)
     print(f"serve stopped: {stats}")
+    return 0
+
+
+def _terminal_writer(args: argparse.Namespace) -> int:
+    from consumers.terminal_writer import run_writer
+
+    stats = run_writer(_serve_config(args), args.bootstrap_servers)
+    print(f"terminal writer stopped: {stats}")
     return 0
 
 
@@ -227,15 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a dir"
     )
-    p.add_argument(
-        "--bootstrap-servers", default="127.0.0.1:39092", help="Kafka bootstrap (default: project's)"
-    )
-    p.add_argument("--group-id", default=None, help="consumer group (default from the config)")
-    p.add_argument(
-        "--config", type=Path, default=None, help="serve settings YAML (default configs/serve.yaml)"
-    )
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting (repeatable)")
+    _add_serve_settings(p)
     p.set_defaults(run=_serve)
+
+    p = sub.add_parser(
+        "terminal-writer",
+        help="the terminal-risk table's one writer, in its own process (serve with terminal_table_writer=external)",
+    )
+    _add_serve_settings(p)
+    p.set_defaults(run=_terminal_writer)
 
     p = sub.add_parser("backtest", help="replay history through the live scorer and report with the protocol")
     p.add_argument("--data", type=Path, required=True, help="dataset directory")

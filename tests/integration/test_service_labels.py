@@ -10,6 +10,7 @@ STATE, which is order-free, and the scores of a later instance that starts from 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -22,6 +23,7 @@ from consumers.scorer import Scorer
 from consumers.terminal_deltas import decode_deltas
 from consumers.terminal_feed import label_batch
 from consumers.terminal_table import read_table
+from consumers.terminal_writer import run_writer
 from pipeline.artifact import load_model
 from pipeline.features.stream import EventBatch, StreamingFeaturizer, replay_batches
 from pipeline.generate import GenerateConfig, generate
@@ -206,6 +208,34 @@ def test_a_bad_label_goes_to_dead_letter_and_good_ones_apply(kafka_bootstrap, se
     for expected in bad.values():
         assert any(expected in d["reason"] for d in dead), f"no dead letter says {expected!r}: {dead}"
     assert {d["source_topic"] for d in dead} == {cfg.topic("labels")}
+
+
+def test_an_external_table_writer_keeps_the_table_when_no_instance_runs_one(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    cfg = service_cfg(terminal_table_writer="external", terminal_table_flush_s=0.5)
+    events = transactions_from_frame(frame)
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
+    produce(
+        kafka_bootstrap, cfg.topic("transactions"), [(t.account_id, encode_transaction(t)) for t in events]
+    )
+    stop, result = threading.Event(), {}
+    writer = threading.Thread(target=lambda: result.update(stats=run_writer(cfg, kafka_bootstrap, stop)))
+    writer.start()
+
+    running = Running(cfg, model_dir, kafka_bootstrap)
+    wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running)
+    serve_stats = running.stop()
+    stop.set()
+    writer.join(60)
+    assert not writer.is_alive() and "stats" in result, "run_writer did not return after stop"
+
+    assert serve_stats.terminal_table_flushes == 0 and result["stats"].flushes > 0
+    terminals, positions = table_of(kafka_bootstrap, cfg)
+    reference = StreamingFeaturizer()
+    for batch, _ in replay_batches(frame, 500):  # no labels were streamed
+        reference.transform(batch)
+    assert terminal_bytes(terminals) == terminal_bytes(reference.terminals) and positions.deltas
 
 
 @pytest.mark.timeout(300)
