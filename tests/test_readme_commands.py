@@ -30,6 +30,7 @@ COVERED_ELSEWHERE = {
     "make demo": ("tests/test_demo.py", "run_demo"),
     "make test": (".ci/run", "make test"),
     "txsentinel demo": ("tests/test_demo.py", "run_demo"),
+    "txsentinel terminal-writer": ("tests/integration/test_service_labels.py", '"terminal-writer"'),
 }
 
 # (pattern, replacement) applied in order to each command before it runs: smaller sizes, filled placeholders.

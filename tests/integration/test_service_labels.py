@@ -10,8 +10,11 @@ STATE, which is order-free, and the scores of a later instance that starts from 
 from __future__ import annotations
 
 import json
-import threading
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -23,7 +26,6 @@ from consumers.scorer import Scorer
 from consumers.terminal_deltas import decode_deltas
 from consumers.terminal_feed import label_batch
 from consumers.terminal_table import read_table
-from consumers.terminal_writer import run_writer
 from pipeline.artifact import load_model
 from pipeline.features.stream import EventBatch, StreamingFeaturizer, replay_batches
 from pipeline.generate import GenerateConfig, generate
@@ -211,26 +213,33 @@ def test_a_bad_label_goes_to_dead_letter_and_good_ones_apply(kafka_bootstrap, se
 
 
 def test_an_external_table_writer_keeps_the_table_when_no_instance_runs_one(
-    kafka_bootstrap, service_cfg, frame, model_dir
+    kafka_bootstrap, service_cfg, frame, model_dir, tmp_path
 ):
+    """`txsentinel terminal-writer` as the README shows it, beside a service with terminal_table_writer
+    external: no instance flushes, the command does, and it exits 0 on SIGTERM after a last flush."""
     cfg = service_cfg(terminal_table_writer="external", terminal_table_flush_s=0.5)
     events = transactions_from_frame(frame)
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
     produce(
         kafka_bootstrap, cfg.topic("transactions"), [(t.account_id, encode_transaction(t)) for t in events]
     )
-    stop, result = threading.Event(), {}
-    writer = threading.Thread(target=lambda: result.update(stats=run_writer(cfg, kafka_bootstrap, stop)))
-    writer.start()
+    command = [
+        str(Path(sys.executable).parent / "txsentinel"), "terminal-writer", "--bootstrap-servers", kafka_bootstrap,
+        "--group-id", cfg.group_id, "--set", f"topic_prefix={cfg.topic_prefix}", "--set", "terminal_table_flush_s=0.5",
+    ]  # fmt: skip
+    log_path = tmp_path / "writer.log"
+    with log_path.open("w") as sink:
+        writer = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        running = Running(cfg, model_dir, kafka_bootstrap)
+        wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running)
+        serve_stats = running.stop()
+    finally:
+        writer.send_signal(signal.SIGTERM)
+        code = writer.wait(timeout=60)
+    assert code == 0, f"terminal-writer exited {code} on SIGTERM:\n{log_path.read_text()[-3000:]}"
 
-    running = Running(cfg, model_dir, kafka_bootstrap)
-    wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running)
-    serve_stats = running.stop()
-    stop.set()
-    writer.join(60)
-    assert not writer.is_alive() and "stats" in result, "run_writer did not return after stop"
-
-    assert serve_stats.terminal_table_flushes == 0 and result["stats"].flushes > 0
+    assert serve_stats.terminal_table_flushes == 0, "an instance ran the writer although it is external"
     terminals, positions = table_of(kafka_bootstrap, cfg)
     reference = StreamingFeaturizer()
     for batch, _ in replay_batches(frame, 500):  # no labels were streamed
