@@ -7,7 +7,7 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
-from consumers.compacted import Reader, read_at, read_latest, read_recent
+from consumers.compacted import Reader, read_at, read_latest, read_latest_until, read_recent
 
 pytestmark = [pytest.mark.kafka]
 
@@ -126,4 +126,41 @@ def test_records_committed_after_a_transaction_still_open_are_read_once_it_ends(
     finally:
         ender.join()
         open_txn.close()
+        consumer.close()
+
+
+def test_a_read_until_a_key_takes_a_transaction_written_across_its_start_whole(
+    kafka_bootstrap, topic_factory
+):
+    # The terminal table writer ends each flush with its positions record. A read that began while a flush
+    # was being written must not stop in the middle of it (terminals ahead of the positions they came with).
+    topic = topic_factory("compacted")
+    writer = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"t-{uuid.uuid4().hex[:8]}")
+    writer.init_transactions()
+    writer.begin_transaction()
+    writer.send(topic, key=b"t1", value=b"t1@1", partition=0)
+    writer.send(topic, key=b"POS", value=b"1", partition=0)
+    writer.commit_transaction()
+    writer.begin_transaction()
+    writer.send(topic, key=b"t1", value=b"t1@2", partition=0)
+    writer.flush()  # below the high watermark the read takes; the rest of the flush comes after it
+    consumer = reader(kafka_bootstrap)
+    result = {}
+    read = threading.Thread(
+        target=lambda: result.update(latest=read_latest_until(consumer, topic, [0], 30, last_key="POS")[0])
+    )
+    try:
+        read.start()
+        time.sleep(1.0)  # the read has taken its high watermark and waits for the open transaction
+        # More than one poll's worth (max_poll_records 500): a read that stopped at its high watermark
+        # would return after the first poll past it, in the middle of these.
+        later = {f"t{i}": f"t{i}@2".encode() for i in range(2, 1202)}
+        for key, value in later.items():
+            writer.send(topic, key=key.encode(), value=value, partition=0)
+        writer.send(topic, key=b"POS", value=b"2", partition=0)
+        writer.commit_transaction()
+        read.join(30)
+        assert result["latest"] == {"t1": b"t1@2", **later, "POS": b"2"}
+    finally:
+        writer.close()
         consumer.close()
