@@ -448,8 +448,9 @@ class _Service:
     def _rewind(self, batch: dict, revoked: Iterable[int] = ()) -> None:
         """Undo uncommitted batches in memory (their transaction is aborted already).
 
-        Their accounts may be half-applied, so they are reloaded from the changelog, the terminal table is
-        read again, and the consumer goes back to the group's committed offsets. Partitions in `revoked`
+        Their accounts may be half-applied, so they are reloaded from the changelog, terminal state is
+        restored again (the table, then the labels and deltas after it), and the consumer goes back to the
+        group's committed offsets. Partitions in `revoked`
         are leaving this instance: their accounts are dropped, not reloaded.
         """
         partitions = sorted({tp.partition for tp in batch})
@@ -461,7 +462,7 @@ class _Service:
         leaving = set(revoked)
         kept = [p for p in partitions if p not in leaving]
         self._restore(kept)
-        self._restore_terminals()  # drops the batches' terminal counts and labels; labels are read again
+        self._restore_terminals()  # drops the batches' own terminal counts; labels and deltas are read again
         for tp in batch:
             if tp.partition not in kept:
                 continue
