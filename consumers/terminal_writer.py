@@ -89,9 +89,13 @@ class TerminalTableWriter:
                 self._run(stop)
             except Exception as error:
                 self.stats.failed_runs += 1
+                then = (
+                    "stopping" if stop.is_set() else f"starting again from the table in {RETRY_AFTER_S:.0f} s"
+                )
                 log.warning(
-                    "terminal table writer failed error=%r; starting again from the table in %.0f s",
-                    error, RETRY_AFTER_S, exc_info=log.isEnabledFor(logging.DEBUG),
+                    "terminal table writer failed error=%r; %s (what it had not flushed is still in the "
+                    "deltas and labels after the table's positions)",
+                    error, then, exc_info=log.isEnabledFor(logging.DEBUG),
                 )  # fmt: skip
                 stop.wait(RETRY_AFTER_S)
 
