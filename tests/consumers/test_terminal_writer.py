@@ -1,0 +1,64 @@
+"""The table writer's flush: one transaction that holds the bad labels' dead letters, the changed terminals and,
+last, the positions (a table read ends on them: consumers/terminal_table.py). The producer is a scripted
+stand-in; the writer against the real broker: tests/integration/test_service_labels.py."""
+
+import json
+from collections import namedtuple
+
+import numpy as np
+
+from consumers.messages import MessageError
+from consumers.metrics import Metrics
+from consumers.service_config import load_serve_config
+from consumers.terminal_feed import FeedRead
+from consumers.terminal_table import POSITIONS_KEY, Positions, decode_positions
+from consumers.terminal_writer import TerminalTableWriter
+from pipeline.features.stream import StreamingFeaturizer, TerminalOp
+
+Record = namedtuple("Record", "topic partition offset key value")
+
+
+class ScriptedProducer:
+    def __init__(self):
+        self.log = []
+
+    def begin_transaction(self):
+        self.log.append(("begin",))
+
+    def send(self, topic, key, value, partition=None):
+        self.log.append(("send", topic, key, value))
+
+    def commit_transaction(self):
+        self.log.append(("commit",))
+
+
+def test_a_flush_is_one_transaction_ending_with_the_positions_and_counts_what_it_wrote():
+    cfg = load_serve_config(None, overrides={"topic_prefix": "p-", "group_id": "g"}, env={})
+    metrics = Metrics()
+    writer = TerminalTableWriter(cfg, "unused:9092", metrics)
+    assert writer.transactional_id == "txsentinel-scorer-terminal-table-g"  # one per deployment
+    featurizer, changed = StreamingFeaturizer(), set()
+    got = FeedRead(
+        deltas=[TerminalOp("events", ["t2", "t1", "t2"], np.array([5, 5, 6]))],
+        bad_labels=[(Record("p-labels", 0, 7, b"k", b"{nope"), MessageError("not valid UTF-8 JSON"))],
+    )
+    writer._fold(featurizer, got, changed)
+    producer = ScriptedProducer()
+    positions = Positions(labels={0: 8}, deltas={0: 3})
+    writer._flush(producer, featurizer, changed, got.bad_labels, positions)
+
+    kinds = [entry[0] for entry in producer.log]
+    assert kinds == ["begin", "send", "send", "send", "send", "commit"]
+    dead = producer.log[1]
+    assert dead[1] == "p-dead-letter" and json.loads(dead[3])["source_offset"] == 7
+    assert [(e[1], e[2]) for e in producer.log[2:5]] == [
+        ("p-terminal-risk-table", "t1"), ("p-terminal-risk-table", "t2"), ("p-terminal-risk-table", POSITIONS_KEY)
+    ]  # fmt: skip
+    assert decode_positions(producer.log[4][3], "p-labels", "p-terminal-deltas") == positions
+    assert (writer.stats.flushes, writer.stats.terminals_written, writer.stats.labels_dead_lettered) == (
+        1,
+        2,
+        1,
+    )
+    assert metrics.get("txsentinel_terminal_table_flushes_total") == 1
+    assert metrics.get("txsentinel_events_dead_lettered_total") == 1
