@@ -16,6 +16,12 @@ def reader(bootstrap: str) -> Reader:
     return Reader.connect(bootstrap, "test-compacted")
 
 
+def transactional(bootstrap: str) -> KafkaProducer:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, transactional_id=f"t-{uuid.uuid4().hex[:8]}")
+    producer.init_transactions()
+    return producer
+
+
 def test_last_value_per_key_wins_tombstones_read_as_none_and_aborted_records_never_count(
     kafka_bootstrap, topic_factory
 ):
@@ -27,8 +33,7 @@ def test_last_value_per_key_wins_tombstones_read_as_none_and_aborted_records_nev
         plain.send(topic, key=key.encode(), value=value, partition=partition)
     plain.flush()
     plain.close()
-    zombie = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"t-{uuid.uuid4().hex[:8]}")
-    zombie.init_transactions()
+    zombie = transactional(kafka_bootstrap)
     zombie.begin_transaction()
     zombie.send(topic, key=b"b", value=b"b-aborted", partition=1)
     zombie.flush()
@@ -85,10 +90,7 @@ def test_bounded_read_keeps_the_latest_written_and_where_each_live_key_is(kafka_
         assert consumer.committed.assignment() == set()
         with pytest.raises(ValueError, match=r"offset 0 holds b'a', not the last record of 'c'"):
             read_at(consumer, topic, {"c": (0, 0)}, timeout_s=30)
-        zombie = KafkaProducer(
-            bootstrap_servers=kafka_bootstrap, transactional_id=f"t-{uuid.uuid4().hex[:8]}"
-        )
-        zombie.init_transactions()
+        zombie = transactional(kafka_bootstrap)
         zombie.begin_transaction()
         zombie.send(topic, key=b"e", value=b"e-aborted", partition=1)  # offset 3
         zombie.flush()
@@ -106,8 +108,7 @@ def test_records_committed_after_a_transaction_still_open_are_read_once_it_ends(
     # A crashed instance's transaction holds read_committed readers at its first record; what others
     # committed after it lies beyond. Stopping at the last stable offset would silently miss "a".
     topic = topic_factory("compacted")
-    open_txn = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"t-{uuid.uuid4().hex[:8]}")
-    open_txn.init_transactions()
+    open_txn = transactional(kafka_bootstrap)
     open_txn.begin_transaction()
     open_txn.send(topic, key=b"ghost", value=b"never committed", partition=0)
     open_txn.flush()
@@ -135,8 +136,7 @@ def test_a_read_until_a_key_takes_a_transaction_written_across_its_start_whole(
     # The terminal table writer ends each flush with its positions record. A read that began while a flush
     # was being written must not stop in the middle of it (terminals ahead of the positions they came with).
     topic = topic_factory("compacted")
-    writer = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"t-{uuid.uuid4().hex[:8]}")
-    writer.init_transactions()
+    writer = transactional(kafka_bootstrap)
     writer.begin_transaction()
     writer.send(topic, key=b"t1", value=b"t1@1", partition=0)
     writer.send(topic, key=b"POS", value=b"1", partition=0)
