@@ -24,7 +24,7 @@ from consumers.messages import MessageError, dead_letter_value, decode_transacti
 from consumers.scorer import Scorer
 from consumers.service_config import ServeConfig
 from consumers.terminal_deltas import encode_deltas
-from consumers.terminal_feed import FeedReader, label_batch
+from consumers.terminal_feed import FeedReader
 
 
 class BatchScorer:
@@ -122,8 +122,5 @@ class BatchScorer:
         """Fold in the labels committed so far and the other instances' deltas that have arrived (the service
         also calls it when a poll brings nothing, so an idle instance keeps up); (labels, deltas) folded."""
         got = self.feed.read(self.session, labels_to_end=True)
-        if got.deltas:
-            self.scorer.featurizer.apply_terminal_ops(got.deltas)
-        if got.labels:
-            self.scorer.observe_labels(label_batch(got.labels))
+        got.fold_into(self.scorer.featurizer)
         return len(got.labels), len(got.deltas)

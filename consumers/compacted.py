@@ -23,6 +23,19 @@ log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 5.0
 
 
+def group_less_consumer(
+    bootstrap: str, client_id: str, isolation_level: str = "read_committed", **settings
+) -> KafkaConsumer:
+    """A consumer that is assigned partitions by hand: no group, nothing committed."""
+    return KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        isolation_level=isolation_level,
+        enable_auto_commit=False,
+        client_id=client_id,
+        **settings,
+    )
+
+
 @dataclass
 class Reader:
     """What compacted topics are read with: a group-less read_committed consumer, and a read_uncommitted
@@ -33,16 +46,10 @@ class Reader:
 
     @classmethod
     def connect(cls, bootstrap: str, client_id: str, **settings) -> "Reader":
-        def consumer(isolation_level: str, suffix: str) -> KafkaConsumer:
-            return KafkaConsumer(
-                bootstrap_servers=bootstrap,
-                isolation_level=isolation_level,
-                enable_auto_commit=False,
-                client_id=client_id + suffix,
-                **settings,
-            )
-
-        return cls(consumer("read_committed", ""), consumer("read_uncommitted", "-watermarks"))
+        return cls(
+            group_less_consumer(bootstrap, client_id, **settings),
+            group_less_consumer(bootstrap, client_id + "-watermarks", "read_uncommitted", **settings),
+        )
 
     def close(self) -> None:
         self.committed.close()
@@ -50,33 +57,22 @@ class Reader:
 
 
 def read_latest(
-    reader: Reader, topic: str, partitions: list[int], timeout_s: float
+    reader: Reader, topic: str, partitions: list[int], timeout_s: float, last_key: str | None = None
 ) -> tuple[dict[str, bytes | None], int]:
     """({key: last value, None for a tombstone}, records read) of `partitions` of `topic`.
 
     Keys are UTF-8 (account and terminal ids). `reader` is assigned the partitions and unassigned after.
+    With `last_key`, the read goes on past the high watermark until the last record read has that key (or
+    none was read): a writer that ends each transaction with it is then read at a transaction's end. One
+    partition only then: "the last record" of several would mean nothing.
     Raises TimeoutError past `timeout_s`, naming what was left, and ValueError for a record without a key.
     """
-    latest: dict[str, bytes | None] = {}
-    read = 0
-    for key, record in _records(reader, topic, partitions, timeout_s):
-        latest[key] = record.value  # the last record per key wins
-        read += 1
-    return latest, read
-
-
-def read_latest_until(
-    reader: Reader, topic: str, partitions: list[int], timeout_s: float, last_key: str
-) -> tuple[dict[str, bytes | None], int]:
-    """read_latest, read on past the high watermark until the last record read is keyed `last_key` (or none
-    was read): a writer that ends each transaction with that key is then read at a transaction's end.
-    One partition only: "the last record" of several would mean nothing."""
-    if len(partitions) != 1:
-        raise ValueError(f"read_latest_until reads one partition, got {partitions}")
+    if last_key is not None and len(partitions) != 1:
+        raise ValueError(f"a read up to a last key reads one partition, got {partitions}")
     latest: dict[str, bytes | None] = {}
     read = 0
     for key, record in _records(reader, topic, partitions, timeout_s, last_key):
-        latest[key] = record.value
+        latest[key] = record.value  # the last record per key wins
         read += 1
     return latest, read
 

@@ -46,8 +46,7 @@ from consumers.metrics import Metrics, MetricsServer
 from consumers.scorer import Scorer
 from consumers.service_config import ServeConfig
 from consumers.signals import stop_on_signals
-from consumers.terminal_feed import FeedReader, label_batch
-from consumers.terminal_table import read_table
+from consumers.terminal_feed import FeedReader
 from consumers.terminal_writer import TerminalTableWriter
 from consumers.topics import ensure_topics  # also the public way in for callers (pipeline/demo.py)
 from pipeline.artifact import LoadedModel, load_model
@@ -142,7 +141,7 @@ class _Service:
         self.topic = cfg.topic("transactions")
         self.changelog = cfg.topic("changelog")
         self.metrics_server = None
-        self.consumer = self.producer = self.restorer = self.feed_consumer = self.feed = None
+        self.consumer = self.producer = self.restorer = self.feed = None
         self.instance_tag = uuid.uuid4().hex[:12]  # + the restore count: this instance's delta session
         self.terminal_restores = 0
         self.writer: TerminalTableWriter | None = None  # built in start(); runs while partition 0 is ours
@@ -168,16 +167,9 @@ class _Service:
             # Metadata now, not on the first batch's first send to each topic (~0.3 s of latency there).
             counts[name] = len(self.producer.partitions_for(cfg.topic(name)))
         co_partitioned = counts["scores"] == counts["alerts"] == self.partitions
-        self.feed_consumer = KafkaConsumer(
-            bootstrap_servers=bootstrap,
-            isolation_level="read_committed",
-            enable_auto_commit=False,
-            client_id="txsentinel-serve-feed",
-            **security,
-        )
-        self.feed = FeedReader(
-            self.feed_consumer, self.restorer, cfg.topic("labels"), cfg.topic("terminal_deltas"),
-            cfg.restore_timeout_s,
+        self.feed = FeedReader.connect(
+            bootstrap, "txsentinel-serve-feed", self.restorer, cfg.topic("labels"), cfg.topic("terminal_deltas"),
+            cfg.restore_timeout_s, **security,
         )  # fmt: skip
         self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics)
         self.batches = BatchScorer(
@@ -478,17 +470,11 @@ class _Service:
         then a new delta session: whatever this instance folds from now on, it also writes."""
         cfg, featurizer = self.cfg, self.scorer.featurizer
         started = time.monotonic()
-        featurizer.terminals, positions = read_table(
-            self.restorer, cfg.topic("terminal_table"), self.feed.labels_topic, self.feed.deltas_topic,
-            cfg.restore_timeout_s,
-        )  # fmt: skip
+        self.feed.start_from_table(featurizer, self.restorer, cfg.topic("terminal_table"))
         self.stats.restored_terminals += len(featurizer.terminals)
         featurizer.terminal_journal = []  # what the rewound batches folded is gone with the old table
-        self.feed.seek(positions)
         got = self.feed.read(to_high_watermark=True)  # every session's deltas: none of them is folded yet
-        featurizer.apply_terminal_ops(got.deltas)
-        if got.labels:
-            featurizer.observe_labels(label_batch(got.labels))
+        got.fold_into(featurizer)
         self.stats.labels_applied += len(got.labels)
         self.metrics.inc("txsentinel_labels_applied_total", len(got.labels))
         self.terminal_restores += 1
@@ -601,7 +587,7 @@ class _Service:
             ("producer", self.producer, lambda p: p.close(timeout=10)),
             ("committer", self.pipeline, lambda p: p.close()),
             ("restore consumers", self.restorer, lambda r: r.close()),
-            ("feed consumer", self.feed_consumer, lambda c: c.close()),
+            ("feed", self.feed, lambda f: f.close()),
             ("metrics", self.metrics_server, lambda m: m.close()),
         )
         for name, part, close in parts:

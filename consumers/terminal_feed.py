@@ -20,11 +20,11 @@ import numpy as np
 from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
 
-from consumers.compacted import Reader
+from consumers.compacted import Reader, group_less_consumer
 from consumers.messages import Label, MessageError, decode_label
 from consumers.terminal_deltas import decode_deltas
-from consumers.terminal_table import Positions
-from pipeline.features.stream import LabelBatch, TerminalOp
+from consumers.terminal_table import Positions, read_table
+from pipeline.features.stream import LabelBatch, StreamingFeaturizer, TerminalOp
 
 
 @dataclass
@@ -32,7 +32,12 @@ class FeedRead:
     labels: list[Label] = field(default_factory=list)
     bad_labels: list[tuple[object, MessageError]] = field(default_factory=list)  # (record, why)
     deltas: list[TerminalOp] = field(default_factory=list)  # of other sessions, to fold in
-    own_deltas: int = 0  # records of the reader's own session, skipped
+
+    def fold_into(self, featurizer: StreamingFeaturizer) -> None:
+        """Apply the deltas and the labels to the featurizer's terminal state (the fold is order-free)."""
+        featurizer.apply_terminal_ops(self.deltas)
+        if self.labels:
+            featurizer.observe_labels(label_batch(self.labels))
 
 
 class FeedReader:
@@ -48,6 +53,28 @@ class FeedReader:
         self.label_tps = self._partitions(labels_topic)
         self.delta_tps = self._partitions(deltas_topic)
         consumer.assign(self.label_tps + self.delta_tps)
+
+    @classmethod
+    def connect(
+        cls, bootstrap: str, client_id: str, offsets: Reader, labels_topic: str, deltas_topic: str,
+        timeout_s: float, **settings,
+    ) -> "FeedReader":  # fmt: skip
+        """A reader with a consumer of its own (closed by close())."""
+        consumer = group_less_consumer(bootstrap, client_id, **settings)
+        return cls(consumer, offsets, labels_topic, deltas_topic, timeout_s)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+    def start_from_table(
+        self, featurizer: StreamingFeaturizer, reader: Reader, table_topic: str
+    ) -> Positions:
+        """Replace the featurizer's terminal state with the table's (consumers/terminal_table.read_table) and
+        go to the positions it reflects; returns them. What comes after them is still to be read."""
+        featurizer.terminals, positions = read_table(
+            reader, table_topic, self.labels_topic, self.deltas_topic, self.timeout_s
+        )
+        self.seek(positions)
 
     def _partitions(self, topic: str) -> list[TopicPartition]:
         partitions = self.consumer.partitions_for_topic(topic)
@@ -86,10 +113,8 @@ class FeedReader:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if to_high_watermark:
             end = self.offsets.watermarks.end_offsets(self.label_tps + self.delta_tps)
-        elif labels_to_end:
-            end = self.offsets.committed.end_offsets(
-                self.label_tps
-            )  # read_committed: the last stable offsets
+        elif labels_to_end:  # read_committed: the last stable offsets
+            end = self.offsets.committed.end_offsets(self.label_tps)
         else:
             end = {}
         out = FeedRead()
@@ -128,8 +153,7 @@ class FeedReader:
     def _deltas(records, session: bytes | None, out: FeedRead) -> None:
         for record in records:
             if session is not None and record.key == session:
-                out.own_deltas += 1
-                continue
+                continue  # this instance folded those events as it scored them
             where = f"{record.topic}[{record.partition}]@{record.offset}"
             out.deltas.append(decode_deltas(where, record.value or b""))
 

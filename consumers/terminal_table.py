@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from consumers.compacted import Reader, read_latest_until
+from consumers.compacted import Reader, read_latest
 from pipeline.features.definitions import FEATURE_VERSION
 from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable
 
@@ -141,7 +141,7 @@ def read_table(
     `reader` is assigned the table partition and unassigned afterwards; TimeoutError past `timeout_s`.
     """
     started = time.monotonic()
-    latest, read = read_latest_until(
+    latest, read = read_latest(
         reader, topic, list(range(TABLE_PARTITIONS)), timeout_s, last_key=POSITIONS_KEY
     )
     positions_value = latest.pop(POSITIONS_KEY, None)

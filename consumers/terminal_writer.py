@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaProducer
 from kafka.serializer import DefaultSerializer
 
 from consumers.compacted import Reader
@@ -30,8 +30,8 @@ from consumers.messages import dead_letter_value
 from consumers.metrics import Metrics, MetricsServer
 from consumers.service_config import ServeConfig
 from consumers.signals import stop_on_signals
-from consumers.terminal_feed import FeedRead, FeedReader, label_batch
-from consumers.terminal_table import flush_records, read_table
+from consumers.terminal_feed import FeedRead, FeedReader
+from consumers.terminal_table import flush_records
 from consumers.topics import ensure_topics
 from pipeline.features.stream import StreamingFeaturizer
 
@@ -110,24 +110,16 @@ class TerminalTableWriter:
             key_serializer=DefaultSerializer(),  # terminal ids (str) and dead letters' original keys (bytes)
             **security,
         )
-        reader = feed_consumer = None
+        reader = feed = None
         try:
             producer.init_transactions()  # fences an older writer before the table is read (module doc)
             reader = Reader.connect(self.bootstrap, "txsentinel-terminal-writer", **security)
-            topics = (cfg.topic("labels"), cfg.topic("terminal_deltas"))
+            feed = FeedReader.connect(
+                self.bootstrap, "txsentinel-terminal-writer-feed", reader, cfg.topic("labels"),
+                cfg.topic("terminal_deltas"), cfg.restore_timeout_s, **security,
+            )  # fmt: skip
             featurizer = StreamingFeaturizer()
-            featurizer.terminals, positions = read_table(
-                reader, cfg.topic("terminal_table"), *topics, cfg.restore_timeout_s
-            )
-            feed_consumer = KafkaConsumer(
-                bootstrap_servers=self.bootstrap,
-                isolation_level="read_committed",
-                enable_auto_commit=False,
-                client_id="txsentinel-terminal-writer-feed",
-                **security,
-            )
-            feed = FeedReader(feed_consumer, reader, *topics, cfg.restore_timeout_s)
-            feed.seek(positions)
+            feed.start_from_table(featurizer, reader, cfg.topic("terminal_table"))
             flushed_at = feed.positions()
             changed: set[str] = set()
             bad: list = []
@@ -150,7 +142,7 @@ class TerminalTableWriter:
             for name, close in (
                 ("producer", lambda: producer.close(timeout=5)),
                 ("reader", lambda: reader is not None and reader.close()),
-                ("feed consumer", lambda: feed_consumer is not None and feed_consumer.close()),
+                ("feed", lambda: feed is not None and feed.close()),
             ):
                 try:
                     close()
@@ -159,12 +151,10 @@ class TerminalTableWriter:
 
     @staticmethod
     def _fold(featurizer: StreamingFeaturizer, got: FeedRead, changed: set[str]) -> None:
-        featurizer.apply_terminal_ops(got.deltas)
+        got.fold_into(featurizer)
         for op in got.deltas:
             changed.update(op.terminals)
-        if got.labels:
-            featurizer.observe_labels(label_batch(got.labels))
-            changed.update(label.terminal_id for label in got.labels if label.is_fraud)
+        changed.update(label.terminal_id for label in got.labels if label.is_fraud)
 
     def _flush(self, producer, featurizer, changed: set[str], bad: list, positions) -> None:
         cfg = self.cfg

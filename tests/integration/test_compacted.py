@@ -7,7 +7,7 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
-from consumers.compacted import Reader, read_at, read_latest, read_latest_until, read_recent
+from consumers.compacted import Reader, read_at, read_latest, read_recent
 
 pytestmark = [pytest.mark.kafka]
 
@@ -147,7 +147,7 @@ def test_a_read_until_a_key_takes_a_transaction_written_across_its_start_whole(
     consumer = reader(kafka_bootstrap)
     result = {}
     read = threading.Thread(
-        target=lambda: result.update(latest=read_latest_until(consumer, topic, [0], 30, last_key="POS")[0])
+        target=lambda: result.update(latest=read_latest(consumer, topic, [0], 30, last_key="POS")[0])
     )
     try:
         read.start()
