@@ -2,8 +2,8 @@
 
 In memory only: nothing is sent here (consumers/commit_pipeline.py sends it once the previous batch's commit
 has returned). In order:
-1. the labels committed so far are read and applied to the terminal state, and so are the other instances'
-   terminal deltas that have arrived (consumers/terminal_feed.py; bad labels are the table writer's to
+1. every `terminal_feed_interval_ms`, the labels and the other instances' terminal deltas that have arrived
+   are applied to the terminal state (consumers/terminal_feed.py; bad labels are the table writer's to
    dead-letter);
 2. each message is decoded and validated (bad ones: dead letters with the reason and the original bytes);
    accounts of the batch that memory let go of are read back from the changelog (consumers/dormant.py);
@@ -13,6 +13,7 @@ has returned). In order:
    changelog partition of the event that changed them.
 """
 
+import math
 import time
 from collections.abc import Callable
 
@@ -42,6 +43,8 @@ class BatchScorer:
         self.session = b""  # the key of this instance's deltas since its last restore (set by the service)
         self.dormant, self.read_states = dormant, read_states  # read_states: consumers.compacted.read_at
         self.seq = 0  # the last batch's
+        self.feed_interval_s = cfg.terminal_feed_interval_ms / 1000
+        self.feed_read_at = -math.inf  # time.monotonic() of the last read of the feed
         self.model_version = model_version
         # Scores and alerts go to their input event's partition number when the topics have as many
         # partitions as `transactions` (those the service creates do): the key's partition under the default
@@ -57,8 +60,7 @@ class BatchScorer:
         started = time.monotonic()
         self.seq += 1
         out = ScoredBatch(batch, seq=self.seq)
-        # Labels committed before this batch count for all its events.
-        out.labels_applied, out.deltas_applied = self.fold_feed()
+        out.labels_applied, out.deltas_applied = self.fold_feed()  # they count for all this batch's events
         transactions, positions, created_ms = [], [], []
         for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
             for record in batch[tp]:
@@ -119,8 +121,13 @@ class BatchScorer:
         out.dead_lettered += 1
 
     def fold_feed(self) -> tuple[int, int]:
-        """Fold in the labels committed so far and the other instances' deltas that have arrived (the service
-        also calls it when a poll brings nothing, so an idle instance keeps up); (labels, deltas) folded."""
-        got = self.feed.read(self.session, labels_to_end=True)
+        """Fold in the labels and the other instances' deltas that have arrived, when `terminal_feed_interval_ms`
+        has passed since the last read (the service also calls it when a poll brings nothing, so an idle
+        instance keeps up); (labels, deltas) folded."""
+        now = time.monotonic()
+        if now - self.feed_read_at < self.feed_interval_s:
+            return 0, 0
+        self.feed_read_at = now
+        got = self.feed.read(self.session)
         got.fold_into(self.scorer.featurizer)
         return len(got.labels), len(got.deltas)

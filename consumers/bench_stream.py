@@ -31,15 +31,15 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import tempfile
 import time
-import urllib.request
 import uuid
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+
+from consumers.metrics import free_port, scrape
 
 log_prefix = "bench_stream:"
 
@@ -234,7 +234,7 @@ def _events(n: int, seed: int = 3):
 def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s) -> dict:
     prefix = overrides["topic_prefix"]
     _create(bootstrap, prefix + "transactions", overrides["transactions_partitions"])
-    port = _free_port()
+    port = free_port()
     overrides = {**overrides, "metrics_host": "127.0.0.1", "metrics_port": port}
     proc = ctx.Process(target=_service_child, args=(overrides, model_dir, bootstrap, core), daemon=True)
     proc.start()
@@ -243,7 +243,7 @@ def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout
         produced_rate = _produce(bootstrap, prefix + "transactions", msgs, rate)
         scores, seen = _read_timestamps(bootstrap, prefix + "scores", len(msgs), timeout_s, proc=proc)
         inputs, _ = _read_timestamps(bootstrap, prefix + "transactions", len(msgs), timeout_s)
-        busy_s = _metric(port, "txsentinel_batch_seconds_sum")  # main-thread time on batches
+        busy_s = scrape(port, "txsentinel_batch_seconds_sum")  # main-thread time on batches
     finally:
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGTERM)  # serve() finishes its batch and leaves the group
@@ -269,21 +269,6 @@ def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout
         # a half-rate run must not be (its rate comes from the full-speed run, and the VM's pace drifts).
         "busy_share": busy_s / span_s,
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _metric(port: int, name: str) -> float:
-    """One value from the service's /metrics (Prometheus text)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise ValueError(f"metric {name} not found at 127.0.0.1:{port}/metrics")
 
 
 def _raw_run(ctx, bootstrap, prefix, count, partitions, max_poll_records, core, timeout_s) -> dict:

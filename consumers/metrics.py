@@ -5,7 +5,9 @@ ThreadingHTTPServer on a daemon thread serves them at /metrics.
 """
 
 import logging
+import socket
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -174,3 +176,19 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (for a metrics endpoint in tests and benchmarks)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, name: str, host: str = "127.0.0.1") -> float:
+    """One value from a service's /metrics: a counter, a gauge, or a histogram's `_sum` or `_count`."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise ValueError(f"metric {name} not found at {host}:{port}/metrics")

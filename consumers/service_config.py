@@ -52,6 +52,11 @@ class ServeConfig:
     # How long deltas stay in their topic: the table writer must read them before they go (days, not
     # seconds: a writer that is down longer than this loses counts). Used only when the topic is created.
     terminal_deltas_retention_ms: int = 7 * 24 * 3600 * 1000
+    # How often a scorer reads `labels` and the other instances' deltas and folds them into its terminal
+    # state: a label (or another instance's batch) counts for the events scored after it is folded, within
+    # about this long of its commit. Each read costs a fetch round trip on the scorer's core, so reading
+    # before every batch (0) is dearest where batches are small: at a trickle, where latency is decided.
+    terminal_feed_interval_ms: int = 250
     # Used only when the service creates a missing transactions topic; an existing one keeps its own.
     transactions_partitions: int = 3
     replication_factor: int = 1
@@ -107,6 +112,7 @@ class ServeConfig:
             ("producer_retry_backoff_ms", 0),
             ("fresh_fetch_ms", 0),  # 0: off
             ("terminal_deltas_retention_ms", 60_000),
+            ("terminal_feed_interval_ms", 0),  # 0: before every batch
             ("max_states_in_memory", 1),
         ):
             value = getattr(self, name)

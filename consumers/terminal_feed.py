@@ -4,13 +4,12 @@ No consumer group: every scorer and the table writer read every partition of bot
 terminal table records (consumers/terminal_table.py), and `seek` puts a reader back there on start and after
 an aborted batch. read_committed: an aborted batch's deltas never count.
 
-Three ways to read (FeedReader.read):
-- `labels_to_end`: labels up to their end offsets as of the call, so a label committed before a batch is
-  read is applied to that batch's events; deltas are taken as they come (another instance's batch reaches
-  this one a batch cycle or so later: there is no global order to keep between instances);
+Two ways to read (FeedReader.read):
 - `to_high_watermark`: both topics up to their high watermarks, waiting out open transactions, as restores
   do (consumers/compacted.py says why the high watermark);
-- neither: one poll, whatever has arrived (the table writer's loop).
+- otherwise one poll: whatever has arrived. The scorers read this way every `terminal_feed_interval_ms`, so
+  a label or another instance's batch counts for the events scored after it arrives: there is no global
+  order to keep between a label, or another instance's events, and this instance's events.
 """
 
 import time
@@ -46,8 +45,7 @@ class FeedReader:
     ):
         """`consumer`: read_committed, no group, fetches the topics. `offsets`: consumers only asked how far
         partitions go, never fetching between reads: the broker answers a connection's requests in order,
-        and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets request would wait too
-        (it took 13 ms a batch)."""
+        and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets request would wait too."""
         self.consumer, self.offsets, self.timeout_s = consumer, offsets, timeout_s
         self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
         self.label_tps = self._partitions(labels_topic)
@@ -101,7 +99,6 @@ class FeedReader:
     def read(
         self,
         session: bytes | None = None,
-        labels_to_end: bool = False,
         to_high_watermark: bool = False,
         timeout_ms: int = 0,
         timeout_s: float | None = None,
@@ -111,12 +108,9 @@ class FeedReader:
         TimeoutError when reading to an end takes over `timeout_s` (default: the reader's)."""
         started = time.monotonic()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if to_high_watermark:
-            end = self.offsets.watermarks.end_offsets(self.label_tps + self.delta_tps)
-        elif labels_to_end:  # read_committed: the last stable offsets
-            end = self.offsets.committed.end_offsets(self.label_tps)
-        else:
-            end = {}
+        end = (
+            self.offsets.watermarks.end_offsets(self.label_tps + self.delta_tps) if to_high_watermark else {}
+        )
         out = FeedRead()
         self._take(self.consumer.poll(timeout_ms=timeout_ms), session, out)  # what has arrived
         while any(self.consumer.position(tp) < offset for tp, offset in end.items()):

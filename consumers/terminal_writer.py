@@ -38,7 +38,10 @@ from pipeline.features.stream import StreamingFeaturizer
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2.0  # a failed run is started again after this pause
-POLL_MS = 200  # the loop's poll; also how quickly stop() is noticed
+# Between reads of the feed (at most terminal_table_flush_s). A read that finds records costs a fetch round
+# trip and a wake-up of the writer's threads; every scored batch writes a delta, so reading as records
+# arrive would wake them once a batch, on the scorers' core when the writer is embedded.
+READ_EVERY_S = 1.0
 DRAIN_TIMEOUT_S = 10.0  # on stop; what is not drained by then stays in the topics for the next writer
 
 
@@ -124,10 +127,10 @@ class TerminalTableWriter:
             changed: set[str] = set()
             bad: list = []
             last_flush = time.monotonic()
+            stopping = stop.is_set()
             while True:
-                stopping = stop.is_set()
                 # Stopping: everything committed so far, this instance's last batch included, then a flush.
-                got = feed.read(to_high_watermark=stopping, timeout_ms=POLL_MS, timeout_s=DRAIN_TIMEOUT_S)
+                got = feed.read(to_high_watermark=stopping, timeout_s=DRAIN_TIMEOUT_S)
                 self._fold(featurizer, got, changed)
                 bad += got.bad_labels
                 due = stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s
@@ -138,6 +141,7 @@ class TerminalTableWriter:
                     last_flush = time.monotonic()
                 if stopping:
                     return
+                stopping = stop.wait(min(READ_EVERY_S, cfg.terminal_table_flush_s))
         finally:
             for name, close in (
                 ("producer", lambda: producer.close(timeout=5)),

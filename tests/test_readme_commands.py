@@ -11,7 +11,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+
+from consumers.metrics import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -94,12 +95,6 @@ def test_every_readme_command_is_run_by_a_test():
 
 
 # -- the slow check: run them ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def shrink(command: str, fill: dict[str, str]) -> list[str]:
     for pattern, replacement in [*SHRINK, *fill.items()]:
         command = re.sub(pattern, replacement, command)

@@ -17,6 +17,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 
 from consumers.messages import Transaction
+from consumers.metrics import scrape
 from consumers.service import serve
 from consumers.service_config import ServeConfig, load_serve_config
 from models.registry import build_detector
@@ -127,6 +128,16 @@ def wait_for_scores(bootstrap, topic, count, running: Running, timeout_s: float 
             return scores
         assert time.monotonic() < deadline, f"{len(scores)} of {count} scores within {timeout_s} s"
         time.sleep(0.5)
+
+
+def wait_for_metric(port: int, name: str, value: float, running: Running, timeout_s: float = 60) -> None:
+    """Until the running service's /metrics shows `name` at `value` or more."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := scrape(port, name)) < value:
+        if running.error is not None:
+            raise running.error
+        assert time.monotonic() < deadline, f"{name} = {seen}, not {value}, within {timeout_s} s"
+        time.sleep(0.1)
 
 
 def assert_exactly_once(scores: list[dict], events: list[Transaction]) -> dict[str, dict]:

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from kafka.partitioner.default import murmur2
 
 from consumers.broker import REPO_ROOT
 from consumers.messages import encode_transaction, transactions_from_frame
+from consumers.metrics import free_port
 from consumers.scorer import Scorer
 from consumers.topics import ensure_topics
 from pipeline.artifact import load_model
@@ -91,9 +91,7 @@ def test_every_event_gets_one_score_equal_to_the_scorers(kafka_bootstrap, servic
 def test_bad_input_goes_to_dead_letter_with_its_reason_and_the_rest_is_scored(
     kafka_bootstrap, service_cfg, frame, model_dir
 ):
-    with socket.socket() as s:  # a free port for the metrics endpoint
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = service_cfg(metrics_port=port, metrics_host="127.0.0.1")
     events = transactions_from_frame(frame.head(150))
     good = json.loads(encode_transaction(events[0]))

@@ -22,6 +22,7 @@ import pytest
 
 from consumers.compacted import Reader
 from consumers.messages import Label, Transaction, encode_label, encode_transaction, transactions_from_frame
+from consumers.metrics import free_port
 from consumers.scorer import Scorer
 from consumers.terminal_deltas import decode_deltas
 from consumers.terminal_feed import label_batch
@@ -36,6 +37,7 @@ from tests.integration.service_helpers import (
     create_topic,
     produce,
     read_committed,
+    wait_for_metric,
     wait_for_scores,
 )
 from tests.integration.test_service_resilience import group_members, wait_until
@@ -108,7 +110,8 @@ def terminal_bytes(terminals) -> dict[str, bytes]:
 
 
 def test_labels_change_terminal_features_like_replay(kafka_bootstrap, service_cfg, frame, model_dir):
-    cfg = service_cfg()
+    port = free_port()
+    cfg = service_cfg(metrics_port=port, metrics_host="127.0.0.1")
     events = transactions_from_frame(frame)
     split = split_at_new_ts(frame, len(events) // 3)
     labelled, labels = with_labels(frame, split)
@@ -121,8 +124,9 @@ def test_labels_change_terminal_features_like_replay(kafka_bootstrap, service_cf
 
     running = Running(cfg, model_dir, kafka_bootstrap)
     wait_for_scores(kafka_bootstrap, cfg.topic("scores"), split, running)
-    # The labels are committed before the later events: the batch that reads those events applies them first.
+    # The labels are folded in before the later events arrive: every one of those events counts them.
     produce(kafka_bootstrap, cfg.topic("labels"), [(label.event_id, encode_label(label)) for label in labels])
+    wait_for_metric(port, "txsentinel_labels_applied_total", len(labels), running)
     produce(
         kafka_bootstrap,
         cfg.topic("transactions"),
@@ -150,7 +154,8 @@ def test_labels_change_terminal_features_like_replay(kafka_bootstrap, service_cf
 def test_a_restarted_service_restores_the_terminal_table_and_label_positions(
     kafka_bootstrap, service_cfg, frame, model_dir
 ):
-    cfg = service_cfg(max_poll_records=10)
+    port = free_port()
+    cfg = service_cfg(max_poll_records=10, metrics_port=port, metrics_host="127.0.0.1")
     events = transactions_from_frame(frame)
     messages = [(t.account_id, encode_transaction(t)) for t in events]
     split = split_at_new_ts(frame, len(events) // 3)
@@ -161,6 +166,7 @@ def test_a_restarted_service_restores_the_terminal_table_and_label_positions(
     first = Running(cfg, model_dir, kafka_bootstrap)
     wait_for_scores(kafka_bootstrap, cfg.topic("scores"), split, first)
     produce(kafka_bootstrap, cfg.topic("labels"), [(label.event_id, encode_label(label)) for label in labels])
+    wait_for_metric(port, "txsentinel_labels_applied_total", len(labels), first)
     more = split + (len(events) - split) // 3
     produce(kafka_bootstrap, cfg.topic("transactions"), messages[split:more])
     wait_for_scores(kafka_bootstrap, cfg.topic("scores"), split + 1, first)  # past the labels
