@@ -52,7 +52,18 @@ def _pin(core: int | None) -> None:
 def _default_core() -> int | None:
     if not hasattr(os, "sched_getaffinity"):
         return None
-    return max(os.sched_getaffinity(0))  # the harness prefers lower cores; the broker floats
+    return max(os.sched_getaffinity(0))
+
+
+def _keep_off(core: int | None) -> None:
+    """Pin this process (the harness: it produces the events and reads the scores) to every allowed core but
+    the measured one, and so does a broker it starts: on one core with the service, they would be measured
+    with it (`txsentinel bench stream` once ran everything on core 0: 34% of the ceiling, 48% apart)."""
+    if core is None or not hasattr(os, "sched_getaffinity"):
+        return
+    others = os.sched_getaffinity(0) - {core}
+    if others:
+        os.sched_setaffinity(0, others)
 
 
 # -- child processes -------------------------------------------------------------------------------------
@@ -428,8 +439,17 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(args.set)
     load_serve_config(config_file=None, overrides=settings, env={})  # a bad setting fails now, not in a child
 
-    from consumers.broker import project_broker
+    from consumers.broker import kafka_port, port_open, project_broker
 
+    core = _default_core()
+    already_up = port_open(kafka_port())
+    _keep_off(core)
+    print(
+        log_prefix,
+        f"service and raw loop on core {core}; harness off it; broker "
+        + ("already running (it may use any core)" if already_up else "started here, off that core"),
+        flush=True,
+    )
     results = {}
     with project_broker() as bootstrap, tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
         for name in args.detectors:
@@ -437,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             print(log_prefix, f"{name}: {args.events} events on {bootstrap} ...", flush=True)
             results[name] = run_stream_bench(
                 model_dir, bootstrap, events=args.events, partitions=args.partitions,
-                max_poll_records=args.max_poll_records, settings=settings,
+                max_poll_records=args.max_poll_records, core=core, settings=settings,
             )  # fmt: skip
             print(log_prefix, json.dumps(results[name], default=float), flush=True)
     print(format_table(results))

@@ -142,7 +142,8 @@ def _compare(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from pipeline.bench import pin_to_one_core
 
-    pin_to_one_core()
+    if args.bench != "stream":  # the stream bench pins its service and raw loop, and keeps itself off them
+        pin_to_one_core()
     if args.bench == "features":
         from pipeline.bench import run_feature_bench
 
