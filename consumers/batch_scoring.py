@@ -3,8 +3,8 @@
 In memory only: nothing is sent here (consumers/commit_pipeline.py sends it once the previous batch's commit
 has returned). In order:
 1. every `terminal_feed_interval_ms`, the labels and the other instances' terminal deltas that have arrived
-   are applied to the terminal state (consumers/terminal_feed.py; bad labels are the table writer's to
-   dead-letter);
+   are applied to the terminal state (consumers/terminal_feed.py; records of either that do not decode are
+   skipped, and the table writer dead-letters them);
 2. each message is decoded and validated (bad ones: dead letters with the reason and the original bytes);
    accounts of the batch that memory let go of are read back from the changelog (consumers/dormant.py);
 3. Scorer.score, in partition order (one partition's records keep their order);

@@ -106,7 +106,7 @@ def serve(
             service.close()
             if service.writer is not None:  # None: start() failed before building it
                 service.stats.terminal_table_flushes = service.writer.stats.flushes
-                service.stats.dead_lettered += service.writer.stats.labels_dead_lettered
+                service.stats.dead_lettered += service.writer.stats.dead_lettered
     log.info("serve stopped %s", " ".join(f"{k}={v}" for k, v in asdict(service.stats).items()))
     return service.stats
 

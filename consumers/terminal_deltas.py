@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 
+from consumers.messages import MessageError
 from consumers.terminal_table import HEADER_SIZE, check_header, pack_header
 from pipeline.features.stream import TerminalOp
 
@@ -36,15 +37,16 @@ def encode_deltas(ops: list[TerminalOp]) -> bytes | None:
 
 
 def decode_deltas(where: str, data: bytes) -> TerminalOp:
-    """One delta value as an events op; ValueError naming `where` and what to do when it is not one."""
+    """One delta value as an events op. A value that is not one: MessageError naming `where` (its readers
+    skip it, the table writer dead-letters it); one of another version: ValueError saying what to do."""
     check_header(f"terminal delta record at {where}", data, _MAGIC, "terminal_deltas_topic")
     try:
         terminals, days = json.loads(data[HEADER_SIZE:])
         op = TerminalOp(_EVENTS, [str(t) for t in terminals], np.asarray(days, dtype=np.int64))
     except (ValueError, TypeError) as error:
-        raise ValueError(f"terminal delta record at {where} does not decode: {error}") from None
+        raise MessageError(f"terminal delta record at {where} does not decode: {error}") from None
     if op.days.shape != (len(op.terminals),):
-        raise ValueError(
+        raise MessageError(
             f"terminal delta record at {where} has {len(op.terminals)} terminals, {op.days.shape} days"
         )
     return op

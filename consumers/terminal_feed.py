@@ -12,6 +12,7 @@ Two ways to read (FeedReader.read):
   order to keep between a label, or another instance's events, and this instance's events.
 """
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -25,11 +26,14 @@ from consumers.terminal_deltas import decode_deltas
 from consumers.terminal_table import Positions, read_table
 from pipeline.features.stream import LabelBatch, StreamingFeaturizer, TerminalOp
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class FeedRead:
     labels: list[Label] = field(default_factory=list)
-    bad_labels: list[tuple[object, MessageError]] = field(default_factory=list)  # (record, why)
+    # (record, why) of labels and deltas that do not decode: skipped; the table writer dead-letters them
+    bad: list[tuple[object, MessageError]] = field(default_factory=list)
     deltas: list[TerminalOp] = field(default_factory=list)  # of other sessions, to fold in
 
     def fold_into(self, featurizer: StreamingFeaturizer) -> None:
@@ -141,7 +145,7 @@ class FeedReader:
                     raise MessageError("null value (a tombstone): expected a JSON label")
                 out.labels.append(decode_label(record.value))
             except MessageError as error:
-                out.bad_labels.append((record, error))
+                out.bad.append((record, error))
 
     @staticmethod
     def _deltas(records, session: bytes | None, out: FeedRead) -> None:
@@ -149,7 +153,11 @@ class FeedReader:
             if session is not None and record.key == session:
                 continue  # this instance folded those events as it scored them
             where = f"{record.topic}[{record.partition}]@{record.offset}"
-            out.deltas.append(decode_deltas(where, record.value or b""))
+            try:
+                out.deltas.append(decode_deltas(where, record.value or b""))
+            except MessageError as error:  # its events are missing from the terminal counts from now on
+                log.warning("skipped a terminal delta record error=%s", error)
+                out.bad.append((record, error))
 
 
 def label_batch(labels: list[Label]) -> LabelBatch:

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from consumers.compacted import Reader, read_latest
+from consumers.messages import MessageError
 from pipeline.features.definitions import FEATURE_VERSION
 from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable
 
@@ -77,14 +78,15 @@ def decode_terminal(terminal_id: str, data: bytes) -> bytes:
 
 
 def check_header(what: str, data: bytes, magic: bytes, topic_setting: str) -> None:
-    """Refuse a record that is not `magic`, or of another state or feature version, saying what to do."""
+    """Refuse a record that is not `magic` (MessageError: garbage, which readers of a feed may skip), or of
+    another state or feature version (ValueError: a deployment to fix), saying what to do."""
     if data[:4] in _OLDER_MAGICS:
         raise ValueError(
             f"{what} was written by a txsentinel from {_OLDER_MAGICS[data[:4]]}: point {topic_setting} at a "
             "new topic (and replay, or accept terminal counts that start from zero)"
         )
     if len(data) < _HEADER.size or data[:4] != magic:
-        raise ValueError(f"{what}: not a txsentinel {magic.decode()} record (bad magic)")
+        raise MessageError(f"{what}: not a txsentinel {magic.decode()} record (bad magic)")
     _, state_version, feature_version = _HEADER.unpack_from(data)
     if (state_version, feature_version) != (STATE_VERSION, FEATURE_VERSION):
         raise ValueError(

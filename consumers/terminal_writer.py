@@ -11,8 +11,9 @@ a table the new writer has read.
 
 A run: start the producer (init_transactions), read the table (consumers/terminal_table.read_table), seek
 the feed to its positions, then fold what arrives. Every `flush_s`, when something changed, ONE transaction
-writes the changed terminals, the bad labels to `dead-letter` (the writer is the one reader that dead-letters
-them, so each goes there once however many instances read it), and the positions, last. The table is then
+writes the changed terminals, the labels and delta records that do not decode to `dead-letter` (the writer is
+the one reader that dead-letters them, so each goes there once however many instances read it), and the
+positions, last. The table is then
 exactly the fold of everything before its positions. A failed run (broker away, fenced) is logged and
 started again after a pause, from the table. On stop it drains what has arrived and flushes.
 """
@@ -49,7 +50,7 @@ DRAIN_TIMEOUT_S = 10.0  # on stop; what is not drained by then stays in the topi
 class WriterStats:
     flushes: int = 0
     terminals_written: int = 0
-    labels_dead_lettered: int = 0
+    dead_lettered: int = 0  # labels and delta records that do not decode
     failed_runs: int = 0
 
 
@@ -132,7 +133,7 @@ class TerminalTableWriter:
                 # Stopping: everything committed so far, this instance's last batch included, then a flush.
                 got = feed.read(to_high_watermark=stopping, timeout_s=DRAIN_TIMEOUT_S)
                 self._fold(featurizer, got, changed)
-                bad += got.bad_labels
+                bad += got.bad
                 due = stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s
                 if due and (changed or bad or feed.positions() != flushed_at):
                     self._flush(producer, featurizer, changed, bad, feed.positions())
@@ -173,7 +174,7 @@ class TerminalTableWriter:
         producer.commit_transaction()
         self.stats.flushes += 1
         self.stats.terminals_written += len(changed)
-        self.stats.labels_dead_lettered += len(bad)
+        self.stats.dead_lettered += len(bad)
         self.metrics.inc("txsentinel_terminal_table_flushes_total")
         self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
         log.debug("terminal table flushed terminals=%d dead_letters=%d", len(changed), len(bad))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from consumers import terminal_deltas, terminal_table
+from consumers.messages import MessageError
 from consumers.terminal_table import POSITIONS_KEY, Positions
 from pipeline.features.state import TERMINAL_STATE, StateTable
 from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, TerminalOp, replay_batches
@@ -36,10 +37,22 @@ def test_a_record_of_another_version_or_layout_is_refused_with_what_to_do():
         terminal_table.decode_terminal("t1", b"TXT2" + value[4:])
     with pytest.raises(ValueError, match="bad magic"):
         terminal_table.decode_terminal("t1", b"nope")
-    with pytest.raises(ValueError, match="bad magic"):
-        terminal_deltas.decode_deltas("deltas[0]@3", value)
-    with pytest.raises(ValueError, match=r"deltas\[0\]@3 has 2 terminals"):
-        terminal_deltas.decode_deltas("deltas[0]@3", terminal_table.pack_header(b"TXD1") + b'[["a","b"],[1]]')
+
+
+def test_a_delta_of_another_version_is_refused_and_garbage_is_a_message_error_to_skip():
+    delta = terminal_deltas.encode_deltas([TerminalOp("events", ["a"], np.array([1], dtype=np.int64))])
+    newer = delta[:4] + (99).to_bytes(2, "little") + delta[6:]
+    with pytest.raises(ValueError, match=r"state version 99.*new topic and replay") as refused:
+        terminal_deltas.decode_deltas("deltas[0]@3", newer)
+    assert not isinstance(refused.value, MessageError), "a version mismatch must stop, not be skipped"
+    garbage = {
+        b"nope": "bad magic",
+        terminal_table.pack_header(b"TXD1") + b"{not json": r"deltas\[0\]@3 does not decode",
+        terminal_table.pack_header(b"TXD1") + b'[["a","b"],[1]]': r"deltas\[0\]@3 has 2 terminals",
+    }
+    for value, reason in garbage.items():
+        with pytest.raises(MessageError, match=reason):
+            terminal_deltas.decode_deltas("deltas[0]@3", value)
 
 
 def test_positions_round_trip_and_refuse_other_topics():

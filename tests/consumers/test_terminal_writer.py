@@ -40,12 +40,12 @@ def test_a_flush_is_one_transaction_ending_with_the_positions_and_counts_what_it
     featurizer, changed = StreamingFeaturizer(), set()
     got = FeedRead(
         deltas=[TerminalOp("events", ["t2", "t1", "t2"], np.array([5, 5, 6]))],
-        bad_labels=[(Record("p-labels", 0, 7, b"k", b"{nope"), MessageError("not valid UTF-8 JSON"))],
+        bad=[(Record("p-labels", 0, 7, b"k", b"{nope"), MessageError("not valid UTF-8 JSON"))],
     )
     writer._fold(featurizer, got, changed)
     producer = ScriptedProducer()
     positions = Positions(labels={0: 8}, deltas={0: 3})
-    writer._flush(producer, featurizer, changed, got.bad_labels, positions)
+    writer._flush(producer, featurizer, changed, got.bad, positions)
 
     kinds = [entry[0] for entry in producer.log]
     assert kinds == ["begin", "send", "send", "send", "send", "commit"]
@@ -55,7 +55,7 @@ def test_a_flush_is_one_transaction_ending_with_the_positions_and_counts_what_it
         ("p-terminal-risk-table", "t1"), ("p-terminal-risk-table", "t2"), ("p-terminal-risk-table", POSITIONS_KEY)
     ]  # fmt: skip
     assert decode_positions(producer.log[4][3], "p-labels", "p-terminal-deltas") == positions
-    assert (writer.stats.flushes, writer.stats.terminals_written, writer.stats.labels_dead_lettered) == (
+    assert (writer.stats.flushes, writer.stats.terminals_written, writer.stats.dead_lettered) == (
         1,
         2,
         1,

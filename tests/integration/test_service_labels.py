@@ -26,7 +26,7 @@ from consumers.metrics import free_port
 from consumers.scorer import Scorer
 from consumers.terminal_deltas import decode_deltas
 from consumers.terminal_feed import label_batch
-from consumers.terminal_table import read_table
+from consumers.terminal_table import pack_header, read_table
 from pipeline.artifact import load_model
 from pipeline.features.stream import EventBatch, StreamingFeaturizer, replay_batches
 from pipeline.generate import GenerateConfig, generate
@@ -186,7 +186,9 @@ def test_a_restarted_service_restores_the_terminal_table_and_label_positions(
     assert_scores_equal(by_event, replay_scores(model_dir, labelled))
 
 
-def test_a_bad_label_goes_to_dead_letter_and_good_ones_apply(kafka_bootstrap, service_cfg, frame, model_dir):
+def test_bad_labels_and_delta_records_go_to_dead_letter_and_good_ones_apply(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
     cfg = service_cfg()
     events = transactions_from_frame(frame.head(40))
     good = Label(events[0].event_id, events[0].account_id, events[0].terminal_id, True, events[0].ts_us)
@@ -199,23 +201,28 @@ def test_a_bad_label_goes_to_dead_letter_and_good_ones_apply(kafka_bootstrap, se
         ).encode(): "missing required field",
         None: "null value",
     }
+    bad_deltas = {b"garbage": "bad magic", pack_header(b"TXD1") + b"[1": "does not decode"}
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
     create_topic(kafka_bootstrap, cfg.topic("labels"), partitions=2)
     produce(kafka_bootstrap, cfg.topic("labels"), [("k", encode_label(good))] + [("k", v) for v in bad])
-    produce(
-        kafka_bootstrap, cfg.topic("transactions"), [(t.account_id, encode_transaction(t)) for t in events]
-    )
+    messages = [(t.account_id, encode_transaction(t)) for t in events]
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[:20])
 
     running = Running(cfg, model_dir, kafka_bootstrap)
+    wait_for_scores(kafka_bootstrap, cfg.topic("scores"), 20, running)
+    # Records in the deltas topic that no txsentinel wrote: every reader skips them, none stops.
+    produce(kafka_bootstrap, cfg.topic("terminal_deltas"), [("intruder", v) for v in bad_deltas])
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[20:])
     wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running)
-    assert running.thread.is_alive() and running.error is None, "a bad label stopped the service"
-    stats = running.stop()  # the table writer, which dead-letters bad labels, flushes on the way out
+    assert running.thread.is_alive() and running.error is None, "a bad label or delta stopped the service"
+    stats = running.stop()  # the table writer, which dead-letters them, flushes on the way out
     dead = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("dead_letter"))]
 
-    assert len(dead) == len(bad) and stats.dead_lettered == len(bad) and stats.labels_applied == 1
-    for expected in bad.values():
-        assert any(expected in d["reason"] for d in dead), f"no dead letter says {expected!r}: {dead}"
-    assert {d["source_topic"] for d in dead} == {cfg.topic("labels")}
+    expected = {(cfg.topic("labels"), why) for why in bad.values()}
+    expected |= {(cfg.topic("terminal_deltas"), why) for why in bad_deltas.values()}
+    assert len(dead) == len(expected) and stats.dead_lettered == len(expected) and stats.labels_applied == 1
+    for topic, why in expected:
+        assert any(d["source_topic"] == topic and why in d["reason"] for d in dead), f"no {topic}: {why!r}"
 
 
 def test_an_external_table_writer_keeps_the_table_when_no_instance_runs_one(
