@@ -7,6 +7,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from consumers import terminal_writer
 from consumers.messages import MessageError
 from consumers.metrics import Metrics
 from consumers.service_config import load_serve_config
@@ -62,3 +63,29 @@ def test_a_flush_is_one_transaction_ending_with_the_positions_and_counts_what_it
     )
     assert metrics.get("txsentinel_terminal_table_flushes_total") == 1
     assert metrics.get("txsentinel_events_dead_lettered_total") == 1
+
+
+def test_a_big_flush_pauses_between_chunks_in_its_one_transaction_unless_stopping(monkeypatch):
+    cfg = load_serve_config(None, overrides={"topic_prefix": "p-", "group_id": "g"}, env={})
+    writer = TerminalTableWriter(cfg, "unused:9092", Metrics())
+    featurizer, changed = StreamingFeaturizer(), set()
+    terminals = [f"t{i:03d}" for i in range(2 * terminal_writer.FLUSH_CHUNK + 50)]
+    writer._fold(
+        featurizer,
+        FeedRead(deltas=[TerminalOp("events", terminals, np.zeros(len(terminals), dtype=np.int64))]),
+        changed,
+    )
+    producer = ScriptedProducer()
+    monkeypatch.setattr(terminal_writer.time, "sleep", lambda s: producer.log.append(("pause",)))
+
+    writer._flush(producer, featurizer, changed, [], Positions())
+    kinds = [entry[0] for entry in producer.log]
+    assert kinds.count("begin") == 1 and kinds[-1] == "commit" and kinds.count("send") == len(terminals) + 1
+    pauses = [i for i, kind in enumerate(kinds) if kind == "pause"]
+    chunk = terminal_writer.FLUSH_CHUNK
+    assert pauses == [1 + chunk, 2 + 2 * chunk]  # after each full chunk, none after the last
+    assert producer.log[-2][2] == POSITIONS_KEY  # still the last record
+
+    producer.log.clear()
+    writer._flush(producer, featurizer, changed, [], Positions(), paced=False)  # stopping: at once
+    assert ("pause",) not in producer.log
