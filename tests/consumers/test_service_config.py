@@ -44,6 +44,7 @@ def test_secrets_are_refused_in_a_file_and_taken_from_the_environment_only(tmp_p
         ("terminal_table_flush_s", 0, "terminal_table_flush_s = 0, expected seconds > 0"),
         ("terminal_table_flush_s", "2s", "terminal_table_flush_s = '2s', expected seconds > 0"),
         ("terminal_table_writer", "thread", "terminal_table_writer = 'thread', expected 'embedded'"),
+        ("terminal_feed_interval_ms", -5, "terminal_feed_interval_ms = -5, expected an integer >= 0"),
         ("max_poll_records", 0, "max_poll_records = 0, expected an integer >= 1"),
         ("max_poll_records", True, "max_poll_records = True, expected an integer >= 1"),
         ("threshold", 1.5, "threshold = 1.5, expected a probability in"),
