@@ -16,9 +16,9 @@ the accounts of those partitions are evicted.
 
 Terminal risk (consumers/terminal_table.py has the whole flow): on start, before joining the group, the
 instance reads the terminal table, then the labels and every instance's terminal deltas after the table's
-positions. Each batch, before its events are scored, it folds in the labels committed so far and the deltas
-other instances have committed since; after scoring, the batch's own terminal event counts go out as one
-delta record in its transaction. Whichever instance owns transactions partition 0 also runs the table
+positions. Then, every terminal_feed_interval_ms (before a batch, or while idle), it folds in the labels
+and the other instances' deltas that have arrived; after scoring, each batch's own terminal event counts go
+out as one delta record in its transaction. Whichever instance owns transactions partition 0 also runs the table
 writer (consumers/terminal_writer.py).
 """
 

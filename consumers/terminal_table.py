@@ -6,12 +6,13 @@ labels is the same whatever order, batching or instance they were folded in. Eve
 The flow (README, "Terminal risk across instances"):
 - Every scorer instance folds its own events into its terminal state as it scores them and, in the SAME
   transaction as the batch's scores, writes one DELTA record to `terminal-deltas`: the batch's (terminal,
-  day) event counts (consumers/terminal_deltas.py). Each batch it folds in the deltas other instances have
-  committed since, and the labels (consumers/terminal_feed.py). So every instance counts every event at its
-  terminal: its own at once, the others' about one batch cycle later.
+  day) event counts (consumers/terminal_deltas.py). Every terminal_feed_interval_ms it folds in the deltas
+  other instances have committed since, and the labels (consumers/terminal_feed.py). So every instance
+  counts every event at its terminal: its own at once, the others' about that interval later.
 - ONE table writer (consumers/terminal_writer.py; it runs in the instance that owns transactions partition 0)
   folds every delta and every label into its own copy of the state and, every `terminal_table_flush_s`,
-  writes the changed terminals and the positions it has read to (deltas and labels) in one transaction.
+  writes the changed terminals and the positions it has read to (deltas and labels) in one transaction
+  (paced, so an embedded writer leaves the scorer beside it most of the interpreter).
 - A scorer starts, and restarts after an aborted batch, from the table, then folds the deltas and labels
   after the table's positions up to their high watermarks. Because the fold is order-free, that is exactly
   the state of every committed event and label, however many instances wrote them.
