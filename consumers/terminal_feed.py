@@ -68,11 +68,9 @@ class FeedReader:
     def close(self) -> None:
         self.consumer.close()
 
-    def start_from_table(
-        self, featurizer: StreamingFeaturizer, reader: Reader, table_topic: str
-    ) -> Positions:
+    def start_from_table(self, featurizer: StreamingFeaturizer, reader: Reader, table_topic: str) -> None:
         """Replace the featurizer's terminal state with the table's (consumers/terminal_table.read_table) and
-        go to the positions it reflects; returns them. What comes after them is still to be read."""
+        go to the positions it reflects. What comes after them is still to be read."""
         featurizer.terminals, positions = read_table(
             reader, table_topic, self.labels_topic, self.deltas_topic, self.timeout_s
         )
@@ -104,19 +102,18 @@ class FeedReader:
         self,
         session: bytes | None = None,
         to_high_watermark: bool = False,
-        timeout_ms: int = 0,
         timeout_s: float | None = None,
     ) -> FeedRead:
         """Labels (bad ones apart) and the deltas of sessions other than `session`, in partition then
-        offset order per poll (module docstring: how far it reads). `timeout_ms`: the first poll's wait;
-        TimeoutError when reading to an end takes over `timeout_s` (default: the reader's)."""
+        offset order per poll (module docstring: how far it reads). TimeoutError when reading to the high
+        watermarks takes over `timeout_s` (default: the reader's)."""
         started = time.monotonic()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         end = (
             self.offsets.watermarks.end_offsets(self.label_tps + self.delta_tps) if to_high_watermark else {}
         )
         out = FeedRead()
-        self._take(self.consumer.poll(timeout_ms=timeout_ms), session, out)  # what has arrived
+        self._take(self.consumer.poll(timeout_ms=0), session, out)  # what has arrived
         while any(self.consumer.position(tp) < offset for tp, offset in end.items()):
             if time.monotonic() - started > timeout_s:
                 left = {

@@ -140,11 +140,11 @@ class TerminalTableWriter:
                 got = feed.read(to_high_watermark=stopping, timeout_s=DRAIN_TIMEOUT_S)
                 self._fold(featurizer, got, changed)
                 bad += got.bad
-                due = stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s
-                if due and (changed or bad or feed.positions() != flushed_at):
-                    self._flush(producer, featurizer, changed, bad, feed.positions(), paced=not stopping)
-                    changed, bad, flushed_at = set(), [], feed.positions()
-                if due:
+                if stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s:
+                    read_to = feed.positions()
+                    if changed or bad or read_to != flushed_at:
+                        self._flush(producer, featurizer, changed, bad, read_to, paced=not stopping)
+                        changed, bad, flushed_at = set(), [], read_to
                     last_flush = time.monotonic()
                 if stopping:
                     return
