@@ -263,13 +263,13 @@ def _events(n: int, seed: int = 3):
 def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s) -> dict:
     prefix = overrides["topic_prefix"]
     _create(bootstrap, prefix + "transactions", overrides["transactions_partitions"])
+    if rate is None:  # a backlog, as the raw loop reads, written before the service starts
+        produced_rate = _produce(bootstrap, prefix + "transactions", msgs, None)
     port = free_port()
     overrides = {**overrides, "metrics_host": "127.0.0.1", "metrics_port": port}
     proc = ctx.Process(target=_service_child, args=(overrides, model_dir, bootstrap, core), daemon=True)
     proc.start()
     try:
-        if rate is None:  # a backlog, as the raw loop reads
-            produced_rate = _produce(bootstrap, prefix + "transactions", msgs, None)
         _wait_owned(bootstrap, overrides["group_id"], proc)
         if rate is not None:
             produced_rate = _produce(bootstrap, prefix + "transactions", msgs, rate)
