@@ -106,8 +106,8 @@ cmd_install() {
           "pinned in $POM, or the mirror in ~/.m2/settings.xml. Full output: $log"
       fi
       if grep -qiE 'could not transfer|connect|unknownhost|unreachable|timed out|no route' "$log"; then
-        die "could not download Kafka $version: Maven Central (https://repo.maven.apache.org/maven2) is" \
-          "unreachable. Check network access or the mirror in ~/.m2/settings.xml. Full output: $log"
+        die "could not download Kafka $version: Maven Central is unreachable." \
+          "Check network access or the mirror in ~/.m2/settings.xml. Full output: $log"
       fi
       die "Maven failed to copy the Kafka jars; full output: $log"
     fi
