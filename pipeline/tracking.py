@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import numpy as np
 from mlflow.tracking import MlflowClient
 
 from pipeline.artifact import MODEL_DIR_ARTIFACT
@@ -34,8 +35,9 @@ class _ScoringModel(mlflow.pyfunc.PythonModel):
 
         self.model = load_model_dir(Path(context.artifacts[MODEL_DIR_ARTIFACT]))
 
-    def predict(self, context, model_input, params=None):
-        import numpy as np
+    # The np.ndarray hints tell MLflow the rows are a plain array (no schema to infer from them), which also
+    # keeps it from warning, on every import, that predict has no type hints.
+    def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:
         import torch
 
         x = torch.as_tensor(np.asarray(model_input, dtype=np.float32))[None]  # [1, T, F + 1]

@@ -96,6 +96,9 @@ frame = read_dataset("data")
 seqs = build_sequences(compute_features(frame).filter(pl.col("account_id") == {account!r}), model.spec, None)
 scores, _ = model.detector(account_inputs(seqs, 0)[None])
 assert "lightning" not in " ".join(sys.modules), "the loader pulled in Lightning"
+import mlflow, torch  # the same model through MLflow's generic pyfunc face: one account's rows -> probabilities
+pyfunc = mlflow.pyfunc.load_model("models:/txsentinel@champion").predict(account_inputs(seqs, 0).numpy())
+np.testing.assert_allclose(pyfunc, torch.sigmoid(scores[0]).detach().numpy(), atol=1e-6)
 print(json.dumps({{"event_ids": seqs.event_ids.tolist(), "scores": scores[0].tolist()}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
