@@ -21,8 +21,10 @@ The harness itself keeps off the measured core (so does a broker it starts), and
 once a loop has finished: while one runs, only the broker (and in (iii) the rate-limited producer) runs
 beside it.
 
-Run: `python -m consumers.bench_stream [--events N] [--detectors lstm linear_transformer]`; the broker is the
-project's (scripts/kafka.sh): reused if it is up, otherwise started and stopped again at the end.
+Run: `python -m consumers.bench_stream [--events N] [--detectors lstm linear_transformer] [--model URI ...]`;
+`--detectors` are untrained, default-size detectors (threshold at a 1% alert rate), `--model` any model the
+service loads (`models:/txsentinel@champion`, `runs:/...`, a directory), with its own threshold. The broker is
+the project's (scripts/kafka.sh): reused if it is up, otherwise started and stopped again at the end.
 """
 
 from __future__ import annotations
@@ -435,8 +437,9 @@ def build_default_model(name: str, out_dir: Path, seed: int = 0, alert_rate: flo
 
 
 def format_table(results: dict[str, dict]) -> str:
+    width = max([20, *(len(name) + 2 for name in results)])
     head = (
-        f"{'detector':<20}{'service ev/s':>14}{'raw ceiling ev/s':>18}{'svc/ceiling':>13}"
+        f"{'model':<{width}}{'service ev/s':>14}{'raw ceiling ev/s':>18}{'svc/ceiling':>13}"
         f"{'half-rate ev/s':>16}{'p50 ms @half':>14}{'p99 ms @half':>14}"
         f"{'p99 @half, 10% on':>19}{'busy @half':>12}"
     )
@@ -444,7 +447,7 @@ def format_table(results: dict[str, dict]) -> str:
     for name, r in results.items():
         s, h = r["service"], r["half_rate"]
         lines.append(
-            f"{name:<20}{s['events_per_s']:>14.0f}{r['raw']['events_per_s']:>18.0f}{100 * r['ratio']:>12.1f}%"
+            f"{name:<{width}}{s['events_per_s']:>14.0f}{r['raw']['events_per_s']:>18.0f}{100 * r['ratio']:>12.1f}%"
             f"{h['events_per_s']:>16.0f}{h['p50_ms']:>14.0f}{h['p99_ms']:>14.0f}"
             f"{h['p99_ms_after_first_10pct']:>19.0f}{100 * h['busy_share']:>11.0f}%"
         )
@@ -454,7 +457,14 @@ def format_table(results: dict[str, dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=50_000)
-    parser.add_argument("--detectors", nargs="+", default=["lstm", "linear_transformer"])
+    parser.add_argument(
+        "--detectors",
+        nargs="+",
+        help="untrained detectors (default: lstm linear_transformer, unless --model)",
+    )
+    parser.add_argument(
+        "--model", action="append", default=[], metavar="URI", help="a trained model (repeatable)"
+    )
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--max-poll-records", type=int, default=500)
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -464,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = parse_settings(args.set)
     load_serve_config(config_file=None, overrides=settings, env={})  # a bad setting fails now, not in a child
+    detectors = args.detectors or ([] if args.model else ["lstm", "linear_transformer"])
+    # A URI is resolved once, here: a bad one fails before any broker work, and the children load a directory.
+    from pipeline.artifact import load_model
+
+    trained = {uri: load_model(uri) for uri in args.model}
 
     from consumers.broker import kafka_port, port_open, project_broker
 
@@ -478,11 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = {}
     with project_broker() as bootstrap, tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
-        for name in args.detectors:
-            model_dir = build_default_model(name, Path(tmp))
+        models = {name: build_default_model(name, Path(tmp)) for name in detectors}
+        models |= {f"{loaded.name} {uri}": loaded for uri, loaded in trained.items()}
+        for name, model in models.items():
             print(log_prefix, f"{name}: {args.events} events on {bootstrap} ...", flush=True)
             results[name] = run_stream_bench(
-                model_dir, bootstrap, events=args.events, partitions=args.partitions,
+                model, bootstrap, events=args.events, partitions=args.partitions,
                 max_poll_records=args.max_poll_records, core=core, settings=settings,
             )  # fmt: skip
             print(log_prefix, json.dumps(results[name], default=float), flush=True)

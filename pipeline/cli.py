@@ -152,7 +152,8 @@ def _bench(args: argparse.Namespace) -> int:
         from consumers.bench_stream import main as run_stream_bench
 
         argv = ["--events", str(args.events), "--max-poll-records", str(args.max_poll_records)]
-        argv += ["--detectors", *(args.models or ["lstm", "linear_transformer"])]
+        argv += ["--detectors", *args.models] if args.models else []
+        argv += [f"--model={uri}" for uri in args.model or []]
         argv += [f"--set={item}" for item in args.set or []]
         return run_stream_bench(argv)
     elif args.bench == "replay":
@@ -293,7 +294,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(run=_bench)
     b = bench.add_parser("stream", help="the service end to end on the project's broker vs the raw client")
-    b.add_argument("models", nargs="*", help="detectors (default: lstm linear_transformer), untrained")
+    b.add_argument(
+        "models",
+        nargs="*",
+        help="untrained detectors (default: lstm linear_transformer, unless --model is given)",
+    )
+    b.add_argument(
+        "--model",
+        action="append",
+        metavar="MODEL_URI",
+        help="a trained model: models:/NAME@ALIAS, runs:/RUN_ID/model or a directory (repeatable)",
+    )
     b.add_argument("--events", type=int, default=50_000)
     b.add_argument(
         "--max-poll-records",

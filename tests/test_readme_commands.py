@@ -252,5 +252,11 @@ def test_readme_commands_run_as_written(kafka_bootstrap, tmp_path):
     for words in each("txsentinel bench stream"):
         out = run(words, tmp_path, {**env, "TXS_KAFKA_PORT": kafka_bootstrap.rsplit(":", 1)[1]})
         assert "svc/ceiling" in out
+        if "--model" in words:  # the trained champion's row, by its URI, and no untrained detectors
+            uri = words[words.index("--model") + 1]
+            lines = out.splitlines()
+            rows = [i for i, line in enumerate(lines) if line.startswith(f"lstm {uri} ")]
+            # one row, right under the table's rule: no untrained detector ran before it
+            assert len(rows) == 1 and set(lines[rows[0] - 1]) == {"-"}, out[-2000:]
 
     assert ran == RUN_HERE, f"RUN_HERE names commands this test did not run: {RUN_HERE - ran}"
