@@ -17,9 +17,13 @@ For one model (`run_stream_bench`), all in one run on the same machine:
        stream's start: first transactions). "busy @half": the share of that run's span the service's main
        thread spent on batches (its own txsentinel_batch_seconds: decode, score, encode, send; scraped from
        /metrics). Well above 50% means the VM slowed down after (i), so the run was not at half load.
+  (iv) the raw loop fed at the same rate, with the same latency measure (its output record's timestamp is
+       taken at its send): what kafka-python's transactions and the broker take on their own at that rate,
+       with nothing scored. The raw loop commits in line (poll, send, commit, poll ...), where the service
+       scores the next batch while a commit runs.
 The harness itself keeps off the measured core (so does a broker it starts), and reads the outputs only
-once a loop has finished: while one runs, only the broker (and in (iii) the rate-limited producer) runs
-beside it.
+once a loop has finished: while one runs, only the broker (and in (iii) and (iv) the rate-limited producer)
+runs beside it.
 
 Run: `python -m consumers.bench_stream [--events N] [--detectors lstm linear_transformer] [--model URI ...]`;
 `--detectors` are untrained, default-size detectors (threshold at a 1% alert rate), `--model` any model the
@@ -81,7 +85,9 @@ def _service_child(overrides: dict, model_dir: str, bootstrap: str, core: int | 
     serve(load_serve_config(config_file=None, overrides=overrides, env={}), model_dir, bootstrap)
 
 
-def _raw_child(bootstrap: str, source: str, sink: str, count: int, max_poll_records: int, core: int | None):
+def _raw_child(
+    bootstrap: str, source: str, sink: str, group: str, count: int, max_poll_records: int, core: int | None
+):
     """consume -> produce -> send_offsets_to_transaction -> commit per poll, like the service minus scoring."""
     _pin(core)
     from kafka import KafkaConsumer, KafkaProducer
@@ -99,7 +105,7 @@ def _raw_child(bootstrap: str, source: str, sink: str, count: int, max_poll_reco
     consumer = KafkaConsumer(
         source,
         bootstrap_servers=bootstrap,
-        group_id=f"bench-raw-{uuid.uuid4().hex[:8]}",
+        group_id=group,
         isolation_level="read_committed",
         enable_auto_commit=False,
         auto_offset_reset="earliest",
@@ -286,48 +292,59 @@ def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
-    ts = np.array(sorted(scores.values()), dtype=np.int64)
-    by_input_time = sorted(scores, key=inputs.__getitem__)
-    lat = np.array([scores[e] - inputs[e] for e in by_input_time], dtype=np.float64)
-    steady = lat[len(lat) // 10 :]  # without the stream's start (first transactions, fetch warm-up)
-    span_s = max((ts[-1] - ts[0]) / 1000.0, 1e-3)
+    summary = _timing(inputs, scores)
     return {
         "events": len(msgs),
         "scores": seen,
-        "events_per_s": (len(ts) - 1) / span_s,
+        **summary,
         "producer_events_per_s": produced_rate,
+        # The share of the scoring span the service spent inside batches: near 100% means saturated, which
+        # a half-rate run must not be (its rate comes from the full-speed run, and the VM's pace drifts).
+        "busy_share": busy_s / summary["span_s"],
+    }
+
+
+def _timing(inputs: dict, outputs: dict) -> dict:
+    """{event: input timestamp}, {event: output timestamp} (ms) -> rate over the outputs' span, latency."""
+    ts = np.array(sorted(outputs.values()), dtype=np.int64)
+    by_input_time = sorted(outputs, key=inputs.__getitem__)
+    lat = np.array([outputs[e] - inputs[e] for e in by_input_time], dtype=np.float64)
+    steady = lat[len(lat) // 10 :]  # without the stream's start (first transactions, fetch warm-up)
+    span_s = max((ts[-1] - ts[0]) / 1000.0, 1e-3)
+    return {
+        "events_per_s": (len(ts) - 1) / span_s,
+        "span_s": span_s,
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
         "p99_ms_after_first_10pct": float(np.percentile(steady, 99)),
         "max_ms": float(lat.max()),
-        # The share of the scoring span the service spent inside batches: near 100% means saturated, which
-        # a half-rate run must not be (its rate comes from the full-speed run, and the VM's pace drifts).
-        "busy_share": busy_s / span_s,
     }
 
 
-def _raw_run(ctx, bootstrap, prefix, count, partitions, max_poll_records, core, timeout_s) -> dict:
-    source, sink = prefix + "transactions", prefix + "raw-out"
+def _raw_run(ctx, bootstrap, prefix, msgs, partitions, max_poll_records, core, rate, timeout_s) -> dict:
+    """The raw loop over `msgs`: a backlog already in `prefix`transactions (rate None), or fed at `rate`
+    events/s once it has joined its group (then its latency too: the client's floor at that rate)."""
+    source, sink, group = prefix + "transactions", prefix + "raw-out", prefix + "raw-group"
     _create(bootstrap, sink, partitions)
-    proc = ctx.Process(
-        target=_raw_child, args=(bootstrap, source, sink, count, max_poll_records, core), daemon=True
-    )
+    args = (bootstrap, source, sink, group, len(msgs), max_poll_records, core)
+    proc = ctx.Process(target=_raw_child, args=args, daemon=True)
     proc.start()
     try:
-        proc.join(timeout_s)  # it exits once it has committed `count` records: read them afterwards
+        if rate is not None:
+            _wait_owned(bootstrap, group, proc)
+            _produce(bootstrap, source, msgs, rate)
+        proc.join(timeout_s)  # it exits once it has committed every record: read them afterwards
         if proc.exitcode != 0:
             raise RuntimeError(
                 f"the raw loop did not finish within {timeout_s} s (exit code {proc.exitcode})"
             )
-        out, seen = _read_timestamps(
-            bootstrap, sink, count, timeout_s, proc=None, key=lambda r: (r.partition, r.offset)
-        )
+        out, seen = _read_timestamps(bootstrap, sink, len(msgs), timeout_s)  # the values are the inputs
+        inputs, _ = _read_timestamps(bootstrap, source, len(msgs), timeout_s)
     finally:
         if proc.is_alive():
             proc.kill()
             proc.join(10)
-    ts = np.array(sorted(out.values()), dtype=np.int64)
-    return {"events": seen, "events_per_s": (len(ts) - 1) / max((ts[-1] - ts[0]) / 1000.0, 1e-3)}
+    return {"events": seen, **_timing(inputs, out)}
 
 
 def _warm_up_broker(ctx, bootstrap, msgs, partitions, max_poll_records, core, timeout_s) -> None:
@@ -338,7 +355,7 @@ def _warm_up_broker(ctx, bootstrap, msgs, partitions, max_poll_records, core, ti
     try:
         _create(bootstrap, prefix + "transactions", partitions)
         _produce(bootstrap, prefix + "transactions", warm, None)
-        _raw_run(ctx, bootstrap, prefix, len(warm), partitions, max_poll_records, core, timeout_s)
+        _raw_run(ctx, bootstrap, prefix, warm, partitions, max_poll_records, core, None, timeout_s)
     finally:
         _delete_prefix(bootstrap, prefix)
 
@@ -358,7 +375,8 @@ def run_stream_bench(
 
     core: the CPU the service and the raw loop are pinned to (-1: the highest allowed; None: no pinning).
     settings: serve settings for the service runs (e.g. {"max_states_in_memory": 300}); not the raw loop.
-    Returns {"service": {...}, "raw": {...}, "half_rate": {...}, "ratio": service/raw, ...}.
+    Returns {"service": {...}, "raw": {...}, "half_rate": {...}, "raw_half_rate": {...}, "ratio": service/raw,
+    ...}.
     """
     from pipeline.artifact import LoadedModel, save_model_dir
 
@@ -371,36 +389,40 @@ def run_stream_bench(
             model_dir = str(model)
         msgs, _ = _events(events)
         _warm_up_broker(ctx, bootstrap, msgs, partitions, max_poll_records, core, timeout_s)
-        prefix = f"bench-{uuid.uuid4().hex[:8]}-"
+        prefixes = [f"bench-{uuid.uuid4().hex[:8]}-{run}-" for run in ("full", "half", "raw-half")]
         base = {
             "max_poll_records": max_poll_records,
             "transactions_partitions": partitions,
             "poll_timeout_ms": 100,
             **(settings or {}),
         }
+
+        def service(prefix: str, msgs: list, rate: float | None) -> dict:
+            overrides = {**base, "topic_prefix": prefix, "group_id": prefix + "group"}
+            return _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s)
+
+        def raw(prefix: str, msgs: list, rate: float | None) -> dict:
+            return _raw_run(ctx, bootstrap, prefix, msgs, partitions, max_poll_records, core, rate, timeout_s)
+
         try:
-            full = _service_run(
-                ctx, bootstrap, model_dir, msgs,
-                {**base, "topic_prefix": prefix, "group_id": prefix + "group"}, core, None, timeout_s,
-            )  # fmt: skip
-            raw = _raw_run(ctx, bootstrap, prefix, events, partitions, max_poll_records, core, timeout_s)
+            full = service(prefixes[0], msgs, None)
+            raw_full = raw(prefixes[0], msgs, None)  # the service's backlog, read again
             rate = full["events_per_s"] / 2
             n_half = int(min(events, max(1000, rate * half_rate_seconds)))
-            prefix2 = f"bench-{uuid.uuid4().hex[:8]}-"
-            half = _service_run(
-                ctx, bootstrap, model_dir, msgs[:n_half],
-                {**base, "topic_prefix": prefix2, "group_id": prefix2 + "group"}, core, rate, timeout_s,
-            )  # fmt: skip
+            half = service(prefixes[1], msgs[:n_half], rate)
             half["target_events_per_s"] = rate
+            _create(bootstrap, prefixes[2] + "transactions", partitions)
+            raw_half = raw(prefixes[2], msgs[:n_half], rate)  # the client's latency at the same rate
+            raw_half["target_events_per_s"] = rate
         finally:
-            _delete_prefix(bootstrap, prefix)
-            if "prefix2" in locals():
-                _delete_prefix(bootstrap, prefix2)
+            for prefix in prefixes:
+                _delete_prefix(bootstrap, prefix)
     return {
         "service": full,
-        "raw": raw,
+        "raw": raw_full,
         "half_rate": half,
-        "ratio": full["events_per_s"] / raw["events_per_s"],
+        "raw_half_rate": raw_half,
+        "ratio": full["events_per_s"] / raw_full["events_per_s"],
         "pinned_core": core,
         "mode": "service and raw loop each in a spawned subprocess pinned to one core",
         "max_poll_records": max_poll_records,
@@ -437,18 +459,21 @@ def build_default_model(name: str, out_dir: Path, seed: int = 0, alert_rate: flo
 
 
 def format_table(results: dict[str, dict]) -> str:
+    """One row a model: throughput against the raw ceiling, then latency at half rate, the service's beside
+    the raw loop's at the same rate (what the client and the broker alone take)."""
     width = max([20, *(len(name) + 2 for name in results)])
     head = (
         f"{'model':<{width}}{'service ev/s':>14}{'raw ceiling ev/s':>18}{'svc/ceiling':>13}"
-        f"{'half-rate ev/s':>16}{'p50 ms @half':>14}{'p99 ms @half':>14}"
+        f"{'half-rate ev/s':>16}{'p50 / p99 ms @half':>20}{'raw p50 / p99 @half':>21}"
         f"{'p99 @half, 10% on':>19}{'busy @half':>12}"
     )
     lines = [head, "-" * len(head)]
     for name, r in results.items():
-        s, h = r["service"], r["half_rate"]
+        s, h, rh = r["service"], r["half_rate"], r["raw_half_rate"]
         lines.append(
-            f"{name:<{width}}{s['events_per_s']:>14.0f}{r['raw']['events_per_s']:>18.0f}{100 * r['ratio']:>12.1f}%"
-            f"{h['events_per_s']:>16.0f}{h['p50_ms']:>14.0f}{h['p99_ms']:>14.0f}"
+            f"{name:<{width}}{s['events_per_s']:>14.0f}{r['raw']['events_per_s']:>18.0f}"
+            f"{100 * r['ratio']:>12.1f}%{h['events_per_s']:>16.0f}"
+            f"{h['p50_ms']:>11.0f} / {h['p99_ms']:<6.0f}{rh['p50_ms']:>12.0f} / {rh['p99_ms']:<6.0f}"
             f"{h['p99_ms_after_first_10pct']:>19.0f}{100 * h['busy_share']:>11.0f}%"
         )
     return "\n".join(lines)
