@@ -9,7 +9,8 @@
 #   scripts/kafka.sh logs [N]  last N (default 100) lines of .kafka/logs/server.log
 #
 # Environment: TXS_KAFKA_PORT (39092), TXS_KAFKA_CONTROLLER_PORT (39093), TXS_KAFKA_START_TIMEOUT_S (60),
-# TXS_KAFKA_STOP_TIMEOUT_S (20), TXS_KAFKA_HEAP_OPTS ("-Xms256m -Xmx512m").
+# TXS_KAFKA_STOP_TIMEOUT_S (20), TXS_KAFKA_HEAP_OPTS ("-Xms256m -Xmx512m"), TXS_KAFKA_GC_OPTS
+# ("-XX:+UseSerialGC"; e.g. add "-Xlog:gc:file=.kafka/logs/gc.log" to see every collection's pause).
 # The ports are not Kafka's defaults so that another Kafka on this machine does not collide with ours.
 set -euo pipefail
 
@@ -29,6 +30,7 @@ CONTROLLER_PORT="${TXS_KAFKA_CONTROLLER_PORT:-39093}"
 START_TIMEOUT_S="${TXS_KAFKA_START_TIMEOUT_S:-60}"
 STOP_TIMEOUT_S="${TXS_KAFKA_STOP_TIMEOUT_S:-20}"
 HEAP_OPTS="${TXS_KAFKA_HEAP_OPTS:--Xms256m -Xmx512m}"
+GC_OPTS="${TXS_KAFKA_GC_OPTS:--XX:+UseSerialGC}"
 BOOTSTRAP="127.0.0.1:$PORT"
 
 say() { echo "kafka.sh: $*"; }
@@ -45,8 +47,8 @@ pom_property() { sed -n "s:.*<$1>\\(.*\\)</$1>.*:\\1:p" "$POM"; }
 kafka_version() { pom_property kafka.version; }
 
 # Serial GC and a small heap: the broker shares 2 cores with the tests, and a dev broker holds little data.
-# shellcheck disable=SC2206  # HEAP_OPTS is a list of JVM flags, split on purpose
-JVM_OPTS=($HEAP_OPTS -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true
+# shellcheck disable=SC2206  # HEAP_OPTS and GC_OPTS are lists of JVM flags, split on purpose
+JVM_OPTS=($HEAP_OPTS $GC_OPTS -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true
   "-Dkafka.logs.dir=$LOGS" "-Dlog4j2.configurationFile=$INFRA/log4j2.properties")
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
