@@ -9,7 +9,8 @@ For one model (`run_stream_bench`), all in one run on the same machine:
        kafka-python over the same backlog, shaped like the service (same group consumer settings and
        max_poll_records, one transactional producer, every record re-sent to an output topic at its input
        partition number, as the service sends scores, send_offsets_to_transaction + commit per poll). Rate =
-       records / (last - first output record timestamp).
+       records / (last - first output record timestamp). It runs right before and right after (i), and the
+       ceiling is the mean of the two ("raw drift": how far the second moved from the first).
   (iii) the service again, fed at about half its measured rate (a rate-limited producer, 10 ms slices): the
        operating latency = score record timestamp - input record timestamp (both Kafka CreateTime, ms; the
        score's is taken at its send inside the transaction, before the commit that makes it visible, which
@@ -269,10 +270,10 @@ def _events(n: int, seed: int = 3):
 
 
 def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s) -> dict:
+    """The service over `topic_prefix`transactions: a backlog of `msgs` already there (rate None), or fed at
+    `rate` events/s once it has joined its group."""
     prefix = overrides["topic_prefix"]
-    _create(bootstrap, prefix + "transactions", overrides["transactions_partitions"])
-    if rate is None:  # a backlog, as the raw loop reads, written before the service starts
-        produced_rate = _produce(bootstrap, prefix + "transactions", msgs, None)
+    produced_rate = None
     port = free_port()
     overrides = {**overrides, "metrics_host": "127.0.0.1", "metrics_port": port}
     proc = ctx.Process(target=_service_child, args=(overrides, model_dir, bootstrap, core), daemon=True)
@@ -321,10 +322,13 @@ def _timing(inputs: dict, outputs: dict) -> dict:
     }
 
 
-def _raw_run(ctx, bootstrap, prefix, msgs, partitions, max_poll_records, core, rate, timeout_s) -> dict:
+def _raw_run(
+    ctx, bootstrap, prefix, msgs, partitions, max_poll_records, core, rate, timeout_s, run=""
+) -> dict:
     """The raw loop over `msgs`: a backlog already in `prefix`transactions (rate None), or fed at `rate`
-    events/s once it has joined its group (then its latency too: the client's floor at that rate)."""
-    source, sink, group = prefix + "transactions", prefix + "raw-out", prefix + "raw-group"
+    events/s once it has joined its group (then its latency too: the client's floor at that rate). `run`
+    names its output topic and group, so that several runs can read one backlog."""
+    source, sink, group = prefix + "transactions", f"{prefix}raw-out{run}", f"{prefix}raw-group{run}"
     _create(bootstrap, sink, partitions)
     args = (bootstrap, source, sink, group, len(msgs), max_poll_records, core)
     proc = ctx.Process(target=_raw_child, args=args, daemon=True)
@@ -401,17 +405,24 @@ def run_stream_bench(
             overrides = {**base, "topic_prefix": prefix, "group_id": prefix + "group"}
             return _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s)
 
-        def raw(prefix: str, msgs: list, rate: float | None) -> dict:
-            return _raw_run(ctx, bootstrap, prefix, msgs, partitions, max_poll_records, core, rate, timeout_s)
+        def raw(prefix: str, msgs: list, rate: float | None, run: str = "") -> dict:
+            args = (partitions, max_poll_records, core, rate, timeout_s, run)
+            return _raw_run(ctx, bootstrap, prefix, msgs, *args)
 
         try:
+            for prefix in prefixes:
+                _create(bootstrap, prefix + "transactions", partitions)
+            _produce(bootstrap, prefixes[0] + "transactions", msgs, None)  # the backlog all three runs read
+            # The ceiling brackets the service's run: this VM's pace drifts by up to 2x within minutes, and
+            # one raw run after the service (as before) moved the ratio by as much.
+            raw_before = raw(prefixes[0], msgs, None, "-before")
             full = service(prefixes[0], msgs, None)
-            raw_full = raw(prefixes[0], msgs, None)  # the service's backlog, read again
+            raw_after = raw(prefixes[0], msgs, None, "-after")
+            ceiling = (raw_before["events_per_s"] + raw_after["events_per_s"]) / 2
             rate = full["events_per_s"] / 2
             n_half = int(min(events, max(1000, rate * half_rate_seconds)))
             half = service(prefixes[1], msgs[:n_half], rate)
             half["target_events_per_s"] = rate
-            _create(bootstrap, prefixes[2] + "transactions", partitions)
             raw_half = raw(prefixes[2], msgs[:n_half], rate)  # the client's latency at the same rate
             raw_half["target_events_per_s"] = rate
         finally:
@@ -419,10 +430,10 @@ def run_stream_bench(
                 _delete_prefix(bootstrap, prefix)
     return {
         "service": full,
-        "raw": raw_full,
+        "raw": {"events_per_s": ceiling, "before": raw_before, "after": raw_after},
         "half_rate": half,
         "raw_half_rate": raw_half,
-        "ratio": full["events_per_s"] / raw_full["events_per_s"],
+        "ratio": full["events_per_s"] / ceiling,
         "pinned_core": core,
         "mode": "service and raw loop each in a spawned subprocess pinned to one core",
         "max_poll_records": max_poll_records,
@@ -463,15 +474,16 @@ def format_table(results: dict[str, dict]) -> str:
     the raw loop's at the same rate (what the client and the broker alone take)."""
     width = max([20, *(len(name) + 2 for name in results)])
     head = (
-        f"{'model':<{width}}{'service ev/s':>14}{'raw ceiling ev/s':>18}{'svc/ceiling':>13}"
+        f"{'model':<{width}}{'service ev/s':>14}{'raw ceiling ev/s':>18}{'raw drift':>11}{'svc/ceiling':>13}"
         f"{'half-rate ev/s':>16}{'p50 / p99 ms @half':>20}{'raw p50 / p99 @half':>21}"
         f"{'p99 @half, 10% on':>19}{'busy @half':>12}"
     )
     lines = [head, "-" * len(head)]
     for name, r in results.items():
-        s, h, rh = r["service"], r["half_rate"], r["raw_half_rate"]
+        s, h, rh, ceiling = r["service"], r["half_rate"], r["raw_half_rate"], r["raw"]["events_per_s"]
+        drift = (r["raw"]["after"]["events_per_s"] - r["raw"]["before"]["events_per_s"]) / ceiling
         lines.append(
-            f"{name:<{width}}{s['events_per_s']:>14.0f}{r['raw']['events_per_s']:>18.0f}"
+            f"{name:<{width}}{s['events_per_s']:>14.0f}{ceiling:>18.0f}{100 * drift:>+10.0f}%"
             f"{100 * r['ratio']:>12.1f}%{h['events_per_s']:>16.0f}"
             f"{h['p50_ms']:>11.0f} / {h['p99_ms']:<6.0f}{rh['p50_ms']:>12.0f} / {rh['p99_ms']:<6.0f}"
             f"{h['p99_ms_after_first_10pct']:>19.0f}{100 * h['busy_share']:>11.0f}%"

@@ -19,7 +19,11 @@ def result(rate: float, ratio: float) -> dict:
     half = {"events_per_s": rate / 2, "p50_ms": 41, "p99_ms": 118, "p99_ms_after_first_10pct": 120}
     return {
         "service": {"events_per_s": rate},
-        "raw": {"events_per_s": rate / ratio},
+        "raw": {
+            "events_per_s": rate / ratio,
+            "before": {"events_per_s": rate / ratio * 1.1},
+            "after": {"events_per_s": rate / ratio * 0.9},
+        },
         "ratio": ratio,
         "half_rate": {**half, "busy_share": 0.68},
         "raw_half_rate": {"p50_ms": 24, "p99_ms": 240},
@@ -32,6 +36,6 @@ def test_table_has_a_row_a_model_with_both_latencies_at_half_rate():
     assert "svc/ceiling" in lines[0] and "raw p50 / p99 @half" in lines[0]
     assert set(lines[1]) == {"-"} and len(lines) == 4
     row = lines[3].split()
-    assert row[:2] == name.split() and row[2:5] == ["9840", "14753", "66.7%"]
-    assert row[5:12] == ["4920", "41", "/", "118", "24", "/", "240"] and row[12:] == ["120", "68%"]
+    assert row[:2] == name.split() and row[2:6] == ["9840", "14753", "-20%", "66.7%"]
+    assert row[6:13] == ["4920", "41", "/", "118", "24", "/", "240"] and row[13:] == ["120", "68%"]
     assert len({len(line) for line in lines}) == 1  # the long name widened the column for every row
