@@ -13,7 +13,7 @@ import json
 import signal
 import subprocess
 import sys
-import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +22,7 @@ import pytest
 
 from consumers.compacted import Reader
 from consumers.messages import Label, Transaction, encode_label, encode_transaction, transactions_from_frame
-from consumers.metrics import free_port
+from consumers.metrics import free_port, scrape
 from consumers.scorer import Scorer
 from consumers.terminal_deltas import decode_deltas
 from consumers.terminal_feed import label_batch
@@ -294,14 +294,26 @@ def test_two_instances_count_every_event_at_its_terminal(kafka_bootstrap, servic
             s["event_id"]: s for s in wait_for_scores(kafka_bootstrap, cfg.topic("scores"), total, running)
         }
 
-    a = Running(cfg, model_dir, kafka_bootstrap)
-    b = Running(cfg, model_dir, kafka_bootstrap)
+    ports = free_port(), free_port()
+    a, b = (
+        Running(replace(cfg, metrics_host="127.0.0.1", metrics_port=p), model_dir, kafka_bootstrap)
+        for p in ports
+    )
     wait_until(
         lambda: group_members(kafka_bootstrap, cfg.group_id) == ("Stable", 2), "a stable group of 2", 120, a
     )
     produce(kafka_bootstrap, cfg.topic("labels"), [(label.event_id, encode_label(label)) for label in labels])
     scored(events, a, len(events))
-    time.sleep(2)  # idle: each instance folds in the other's last deltas
+    # Idle now. Each instance folds in every delta record the other wrote (and never its own), so once both
+    # have caught up their counts add up to the records the topic holds.
+    written = len(read_committed(kafka_bootstrap, cfg.topic("terminal_deltas")))
+    applied = "txsentinel_terminal_deltas_applied_total"
+    wait_until(
+        lambda: sum(scrape(port, applied) for port in ports) >= written,
+        "both folded in the other's deltas",
+        60,
+        a,
+    )
     first = newcomers("first", 1)
     live = scored(first, a, len(events) + len(first))
     a_stats, b_stats = a.stop(), b.stop()
