@@ -40,233 +40,27 @@ import multiprocessing as mp
 import os
 import signal
 import tempfile
-import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 
+from consumers.bench_harness import (
+    create_topic,
+    default_core,
+    delete_prefix,
+    generated_events,
+    keep_off,
+    log_prefix,
+    produce,
+    raw_child,
+    read_timestamps,
+    service_child,
+    wait_owned,
+    wait_scored,
+)
 from consumers.metrics import free_port, scrape
-
-log_prefix = "bench_stream:"
-
-
-def _pin(core: int | None) -> None:
-    if core is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {core})
-
-
-def _default_core() -> int | None:
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    return max(os.sched_getaffinity(0))
-
-
-def _keep_off(core: int | None) -> None:
-    """Pin this process (the harness: it produces the events and reads the scores) to every allowed core but
-    the measured one, and so does a broker it starts: on one core with the service, they would be measured
-    with it (`txsentinel bench stream` once ran everything on core 0: 34% of the ceiling, 48% apart)."""
-    if core is None or not hasattr(os, "sched_getaffinity"):
-        return
-    others = os.sched_getaffinity(0) - {core}
-    if others:
-        os.sched_setaffinity(0, others)
-
-
-# -- child processes -------------------------------------------------------------------------------------
-def _service_child(overrides: dict, model_dir: str, bootstrap: str, core: int | None) -> None:
-    _pin(core)
-    import logging
-
-    logging.basicConfig(level=logging.WARNING)
-    from consumers.service import serve
-    from consumers.service_config import load_serve_config
-
-    serve(load_serve_config(config_file=None, overrides=overrides, env={}), model_dir, bootstrap)
-
-
-def _raw_child(
-    bootstrap: str, source: str, sink: str, group: str, count: int, max_poll_records: int, core: int | None
-):
-    """consume -> produce -> send_offsets_to_transaction -> commit per poll, like the service minus scoring."""
-    _pin(core)
-    from kafka import KafkaConsumer, KafkaProducer
-    from kafka.structs import OffsetAndMetadata
-
-    from consumers.service_config import ServeConfig
-
-    producer = KafkaProducer(
-        bootstrap_servers=bootstrap,
-        transactional_id=f"bench-raw-{uuid.uuid4().hex[:8]}",
-        linger_ms=ServeConfig.producer_linger_ms,  # the service's producer settings: a fair ceiling
-        batch_size=ServeConfig.producer_batch_bytes,
-    )
-    producer.init_transactions()
-    consumer = KafkaConsumer(
-        source,
-        bootstrap_servers=bootstrap,
-        group_id=group,
-        isolation_level="read_committed",
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        max_poll_records=max_poll_records,
-    )
-    done = 0
-    while done < count:
-        batch = consumer.poll(timeout_ms=500, max_records=max_poll_records)
-        if not batch:
-            continue
-        producer.begin_transaction()
-        offsets = {}
-        for tp, records in batch.items():
-            for r in records:
-                # The input's partition number, as the service sends its scores: no per-record key hash.
-                producer.send(sink, key=r.key, value=r.value, partition=tp.partition)
-                done += 1
-            offsets[tp] = OffsetAndMetadata(records[-1].offset + 1, "", -1)
-        producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
-        producer.commit_transaction()
-    consumer.close(autocommit=False)
-    producer.close(timeout=10)
-
-
-# -- harness helpers -------------------------------------------------------------------------------------
-def _admin(bootstrap):
-    from kafka import KafkaAdminClient
-
-    return KafkaAdminClient(bootstrap_servers=bootstrap, client_id="txsentinel-bench")
-
-
-def _create(bootstrap: str, name: str, partitions: int) -> None:
-    admin = _admin(bootstrap)
-    try:
-        admin.create_topics(
-            {name: {"num_partitions": partitions, "replication_factor": 1}}, wait_for_metadata=True
-        )
-    finally:
-        admin.close()
-
-
-def _delete_prefix(bootstrap: str, prefix: str) -> None:
-    try:
-        admin = _admin(bootstrap)
-        try:
-            admin.delete_topics([t for t in admin.list_topics() if t.startswith(prefix)])
-        finally:
-            admin.close()
-    except Exception as error:  # cleanup only
-        print(log_prefix, f"could not delete topics {prefix}*: {error!r}")
-
-
-def _wait_owned(bootstrap: str, group: str, proc, timeout_s: float = 120) -> None:
-    """Until the group is Stable with a member that holds partitions (the service is ready to consume)."""
-    admin = _admin(bootstrap)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            if not proc.is_alive():
-                raise RuntimeError(f"the service process exited early (exit code {proc.exitcode})")
-            info = admin.describe_groups([group])[group]
-            if info["group_state"] == "Stable" and info["members"]:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"group {group} not stable within {timeout_s} s: {info['group_state']}")
-            time.sleep(0.2)
-    finally:
-        admin.close()
-
-
-def _wait_scored(port: int, count: int, proc, timeout_s: float) -> None:
-    """Until the service's /metrics counts `count` events scored and committed (one cheap scrape a second,
-    where reading the scores as they come would put a consumer beside the service and the broker)."""
-    deadline = time.monotonic() + timeout_s
-    while scrape(port, "txsentinel_events_scored_total") < count:
-        if not proc.is_alive():
-            raise RuntimeError(f"the service process exited (exit code {proc.exitcode})")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the service did not score {count} events within {timeout_s} s")
-        time.sleep(1.0)
-
-
-def _read_timestamps(bootstrap: str, topic: str, count: int, timeout_s: float, proc=None, key=None):
-    """Read `count` committed records of `topic` -> {event_id: timestamp_ms} (event_id from the JSON value)."""
-    from kafka import KafkaConsumer
-    from kafka.structs import TopicPartition
-
-    consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
-    )
-    try:
-        deadline = time.monotonic() + timeout_s
-        parts = None
-        while not parts:
-            parts = consumer.partitions_for_topic(topic)
-            if not parts:
-                time.sleep(0.2)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"topic {topic} never appeared")
-        tps = [TopicPartition(topic, p) for p in parts]
-        consumer.assign(tps)
-        consumer.seek_to_beginning()
-        out: dict[str, int] = {}
-        seen = 0
-        while seen < count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{seen} of {count} records of {topic} within {timeout_s} s")
-            if proc is not None and not proc.is_alive():
-                raise RuntimeError(f"the process writing {topic} exited (exit code {proc.exitcode})")
-            for records in consumer.poll(timeout_ms=500, max_records=5000).values():
-                for r in records:
-                    seen += 1
-                    out[json.loads(r.value)["event_id"] if key is None else key(r)] = r.timestamp
-        return out, seen
-    finally:
-        consumer.close()
-
-
-def _produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]], rate: float | None) -> float:
-    """Send all messages (rate: events/s, None = full speed); returns the achieved events/s. Each goes to
-    its key's partition under the default partitioner, worked out before the clock starts: kafka-python's
-    murmur2 is pure Python (~10 us a record), work the harness need not do beside the measured service."""
-    from kafka import KafkaProducer
-    from kafka.partitioner.default import murmur2
-
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks=1, linger_ms=2, batch_size=256 * 1024)
-    try:
-        count = len(producer.partitions_for(topic))
-        routed = [(key, value, (murmur2(key) & 0x7FFFFFFF) % count) for key, value in messages]
-        started = time.monotonic()
-        if rate is None:
-            for key, value, partition in routed:
-                producer.send(topic, key=key, value=value, partition=partition)
-        else:
-            slice_s = 0.01
-            per_slice = max(1, round(rate * slice_s))
-            for i in range(0, len(routed), per_slice):
-                due = started + i / rate
-                wait = due - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                for key, value, partition in routed[i : i + per_slice]:
-                    producer.send(topic, key=key, value=value, partition=partition)
-        producer.flush()
-    finally:
-        producer.close(timeout=10)
-    return len(messages) / max(time.monotonic() - started, 1e-9)
-
-
-def _events(n: int, seed: int = 3):
-    """n generated events in time order, as (key, value) messages, and the frame they came from."""
-    from consumers.messages import encode_transaction, transactions_from_frame
-    from pipeline.generate import GenerateConfig, generate
-
-    frame = generate(GenerateConfig(accounts=max(200, n // 40), days=45, seed=seed)).sort("ts", "event_id")
-    if frame.height < n:
-        raise ValueError(f"generated {frame.height} events, fewer than {n}")
-    frame = frame.head(n)
-    msgs = [(tx.account_id.encode(), encode_transaction(tx)) for tx in transactions_from_frame(frame)]
-    return msgs, frame
 
 
 def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s) -> dict:
@@ -276,15 +70,15 @@ def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout
     produced_rate = None
     port = free_port()
     overrides = {**overrides, "metrics_host": "127.0.0.1", "metrics_port": port}
-    proc = ctx.Process(target=_service_child, args=(overrides, model_dir, bootstrap, core), daemon=True)
+    proc = ctx.Process(target=service_child, args=(overrides, model_dir, bootstrap, core), daemon=True)
     proc.start()
     try:
-        _wait_owned(bootstrap, overrides["group_id"], proc)
+        wait_owned(bootstrap, overrides["group_id"], proc)
         if rate is not None:
-            produced_rate = _produce(bootstrap, prefix + "transactions", msgs, rate)
-        _wait_scored(port, len(msgs), proc, timeout_s)  # nothing of the harness runs beside the service
-        scores, seen = _read_timestamps(bootstrap, prefix + "scores", len(msgs), timeout_s, proc=proc)
-        inputs, _ = _read_timestamps(bootstrap, prefix + "transactions", len(msgs), timeout_s)
+            produced_rate = produce(bootstrap, prefix + "transactions", msgs, rate)
+        wait_scored(port, len(msgs), proc, timeout_s)  # nothing of the harness runs beside the service
+        scores, seen = read_timestamps(bootstrap, prefix + "scores", len(msgs), timeout_s, proc=proc)
+        inputs, _ = read_timestamps(bootstrap, prefix + "transactions", len(msgs), timeout_s)
         busy_s = scrape(port, "txsentinel_batch_seconds_sum")  # main-thread time on batches
     finally:
         if proc.is_alive():
@@ -329,21 +123,21 @@ def _raw_run(
     events/s once it has joined its group (then its latency too: the client's floor at that rate). `run`
     names its output topic and group, so that several runs can read one backlog."""
     source, sink, group = prefix + "transactions", f"{prefix}raw-out{run}", f"{prefix}raw-group{run}"
-    _create(bootstrap, sink, partitions)
+    create_topic(bootstrap, sink, partitions)
     args = (bootstrap, source, sink, group, len(msgs), max_poll_records, core)
-    proc = ctx.Process(target=_raw_child, args=args, daemon=True)
+    proc = ctx.Process(target=raw_child, args=args, daemon=True)
     proc.start()
     try:
         if rate is not None:
-            _wait_owned(bootstrap, group, proc)
-            _produce(bootstrap, source, msgs, rate)
+            wait_owned(bootstrap, group, proc)
+            produce(bootstrap, source, msgs, rate)
         proc.join(timeout_s)  # it exits once it has committed every record: read them afterwards
         if proc.exitcode != 0:
             raise RuntimeError(
                 f"the raw loop did not finish within {timeout_s} s (exit code {proc.exitcode})"
             )
-        out, seen = _read_timestamps(bootstrap, sink, len(msgs), timeout_s)  # the values are the inputs
-        inputs, _ = _read_timestamps(bootstrap, source, len(msgs), timeout_s)
+        out, seen = read_timestamps(bootstrap, sink, len(msgs), timeout_s)  # the values are the inputs
+        inputs, _ = read_timestamps(bootstrap, source, len(msgs), timeout_s)
     finally:
         if proc.is_alive():
             proc.kill()
@@ -357,11 +151,11 @@ def _warm_up_broker(ctx, bootstrap, msgs, partitions, max_poll_records, core, ti
     prefix = f"bench-warm-{uuid.uuid4().hex[:8]}-"
     warm = msgs[:20_000]
     try:
-        _create(bootstrap, prefix + "transactions", partitions)
-        _produce(bootstrap, prefix + "transactions", warm, None)
+        create_topic(bootstrap, prefix + "transactions", partitions)
+        produce(bootstrap, prefix + "transactions", warm, None)
         _raw_run(ctx, bootstrap, prefix, warm, partitions, max_poll_records, core, None, timeout_s)
     finally:
-        _delete_prefix(bootstrap, prefix)
+        delete_prefix(bootstrap, prefix)
 
 
 def run_stream_bench(
@@ -384,14 +178,14 @@ def run_stream_bench(
     """
     from pipeline.artifact import LoadedModel, save_model_dir
 
-    core = _default_core() if core == -1 else core
+    core = default_core() if core == -1 else core
     ctx = mp.get_context("spawn")  # a clean interpreter per child: no forked Kafka threads or torch state
     with tempfile.TemporaryDirectory(prefix="bench-model-") as tmp:
         if isinstance(model, LoadedModel):
             model_dir = str(save_model_dir(Path(tmp) / "model", model.detector, model.spec, dict(model.meta)))
         else:
             model_dir = str(model)
-        msgs, _ = _events(events)
+        msgs, _ = generated_events(events)
         _warm_up_broker(ctx, bootstrap, msgs, partitions, max_poll_records, core, timeout_s)
         prefixes = [f"bench-{uuid.uuid4().hex[:8]}-{run}-" for run in ("full", "half", "raw-half")]
         base = {
@@ -411,8 +205,8 @@ def run_stream_bench(
 
         try:
             for prefix in prefixes:
-                _create(bootstrap, prefix + "transactions", partitions)
-            _produce(bootstrap, prefixes[0] + "transactions", msgs, None)  # the backlog all three runs read
+                create_topic(bootstrap, prefix + "transactions", partitions)
+            produce(bootstrap, prefixes[0] + "transactions", msgs, None)  # the backlog all three runs read
             # The ceiling brackets the service's run: this VM's pace drifts by up to 2x within minutes, and
             # one raw run after the service (as before) moved the ratio by as much.
             raw_before = raw(prefixes[0], msgs, None, "-before")
@@ -427,7 +221,7 @@ def run_stream_bench(
             raw_half["target_events_per_s"] = rate
         finally:
             for prefix in prefixes:
-                _delete_prefix(bootstrap, prefix)
+                delete_prefix(bootstrap, prefix)
     return {
         "service": full,
         "raw": {"events_per_s": ceiling, "before": raw_before, "after": raw_after},
@@ -519,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from consumers.broker import kafka_port, port_open, project_broker
 
-    core = _default_core()
+    core = default_core()
     already_up = port_open(kafka_port())
-    _keep_off(core)
+    keep_off(core)
     print(
         log_prefix,
         f"service and raw loop on core {core}; harness off it; broker "
