@@ -8,11 +8,13 @@ from consumers.bench_stream import _timing, format_table
 def test_timing_measures_rate_over_the_outputs_span_and_latency_per_event():
     inputs = {f"e{i}": 1_000 + 10 * i for i in range(100)}  # one event every 10 ms
     outputs = {e: t + (50 if e == "e99" else 5) for e, t in inputs.items()}  # e99 waited 50 ms
-    got = _timing(inputs, outputs)
+    got = _timing(outputs, inputs)
     assert got["span_s"] == pytest.approx(1.035)  # first output at 1,005 ms, last at 2,040 ms
     assert got["events_per_s"] == pytest.approx(99 / 1.035)
     assert got["p50_ms"] == 5 and got["max_ms"] == 50
     assert got["p99_ms"] == pytest.approx(5 + 0.01 * 45)  # numpy's linear interpolation, 99th of 100
+    # without inputs (a backlog, whose latency is only its age): the rate alone
+    assert _timing(outputs) == {"events_per_s": got["events_per_s"], "span_s": got["span_s"]}
 
 
 def result(rate: float, ratio: float) -> dict:
