@@ -2,7 +2,8 @@
 
 A micro-batch gathers the rows of its accounts into one batch, steps the detector once, and scatters the new
 states back (models.contract gather_states / scatter_states), so a step costs one batched call however many
-accounts are in memory. Rows: account -> row through a dict; capacity doubles when full; an evicted
+accounts are in memory; a detector with a step_in_place (the linear Transformer on CPU) steps the rows where
+they lie instead. Rows: account -> row through a dict; capacity doubles when full; an evicted
 account's row goes to a free list and is reset to init_state when reused.
 
 Beside each row: the account's last applied source position (partition, offset) and the newest event ts
@@ -119,3 +120,15 @@ class StateStore:
     def scatter(self, rows: np.ndarray, part: State) -> None:
         """Write a batch of b states back at `rows` [b]."""
         scatter_states(self.states, torch.from_numpy(rows).to(self.detector.device), part)
+
+    @torch.inference_mode()
+    def step(self, rows: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+        """Step the accounts at `rows` [b] (distinct) by one event each, x [b, F]: scores [b], and their new
+        states in place of the old. The detector's step_in_place where it has one, else gather, step,
+        scatter."""
+        index = torch.from_numpy(rows).to(self.detector.device)
+        scores = self.detector.step_in_place(x, self.states, index)
+        if scores is None:
+            scores, state = self.detector.step(x, self.gather(rows))
+            self.scatter(rows, state)
+        return scores

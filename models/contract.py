@@ -101,6 +101,9 @@ class RecurrentDetector(nn.Module):
       its state). Gradients flow into `state` unless the caller detaches it (truncated BPTT).
     - `step(x_t [B,F], state) -> (scores [B], new_state)`: one event per account; the input state is never
       modified.
+    - optionally `step_in_place(x_t [b,F], table, rows [b]) -> scores [b] or None`: `step` for the accounts
+      at `rows` of a batched state table, their new states written over the old ones; None where the
+      detector has no such path for these inputs (the caller gathers, steps and scatters instead).
     Scores are logits: sigmoid gives a probability, higher is more suspicious.
     """
 
@@ -117,6 +120,12 @@ class RecurrentDetector(nn.Module):
 
     def step(self, x_t: Tensor, state: State) -> tuple[Tensor, State]:
         raise NotImplementedError
+
+    def step_in_place(self, x_t: Tensor, table: State, rows: Tensor) -> Tensor | None:
+        """Serving fast path, where a detector has one: step the accounts at `rows` [b] (distinct) of `table`
+        ({key: [capacity, ...]}) by one event each, x_t [b, F], writing their new states into `table`;
+        returns the scores [b]. Equal to gather, `step`, scatter to float rounding. None: no fast path here."""
+        return None
 
     @property
     def state_dtype(self) -> torch.dtype:

@@ -3,7 +3,10 @@
 Causal attention with feature map phi(x) = elu(x) + 1 is an RNN with state per head
 S = sum phi(k) v^T [D, D] and Z = sum phi(k) [D]; out = phi(q) S / (phi(q) . Z) (the slow reference is
 models/linear_attention_naive.py). Training runs the chunked parallel form, serving the recurrence; both
-sit in LinearAttentionBlock. Shapes: B accounts, T events, H heads, D head dim, L layers, d = H * D.
+sit in LinearAttentionBlock. Serving on CPU, the step's attention runs as one compiled pass per layer
+(models/linear_attention_fused.py), straight on the rows of the service's state table (step_in_place);
+linear_attention_step stays the reference it is tested against. Shapes: B accounts, T events, H heads,
+D head dim, L layers, d = H * D.
 
 Numerics.
 - phi is computed as exp(min(x, 0)) + max(x, 0), in float32 at least, floored at PHI_FLOOR. Written as
@@ -126,9 +129,13 @@ class LinearAttentionBlock(nn.Module):
         self.dropout = config.dropout
         self.ffn = FeedForward(config.d_model, config.ffn_multiplier * config.d_model, config.dropout)
 
-    def _features(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # h [..., d] -> phi(q), phi(k), v [..., H, D] in float32 or wider
-        qkv = self.qkv(self.norm(h)).unflatten(-1, (3, self.heads, -1))  # [..., 3, H, D]
+    def _projections(self, h: Tensor) -> Tensor:
+        # h [..., d] -> q, k, v before the feature map [..., 3, H, D]
+        return self.qkv(self.norm(h)).unflatten(-1, (3, self.heads, -1))
+
+    @staticmethod
+    def _feature_map(qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # qkv [..., 3, H, D] -> phi(q), phi(k), v [..., H, D] in float32 or wider
         phi_qk = phi(qkv[..., :2, :, :])  # one call for q and k
         return phi_qk[..., 0, :, :], phi_qk[..., 1, :, :], qkv[..., 2, :, :].to(phi_qk.dtype)
 
@@ -143,7 +150,8 @@ class LinearAttentionBlock(nn.Module):
         Returns the new h and the running means after each account's last valid event.
         """
         with torch.autocast(h.device.type, enabled=False):
-            phi_q, phi_k, v = (t.transpose(1, 2) for t in self._features(h))  # [B, H, T, D]
+            qkv = self._projections(h)  # [B, T, 3, H, D]
+            phi_q, phi_k, v = (t.transpose(1, 2) for t in self._feature_map(qkv))  # [B, H, T, D]
             keep = valid[:, None, :, None].to(phi_k.dtype)  # padding adds nothing to S and Z
             phi_k, v = phi_k * keep, v * keep
             n = seen.to(phi_k.dtype)[:, None, None]  # [B, 1, 1]
@@ -158,10 +166,41 @@ class LinearAttentionBlock(nn.Module):
 
         Returns the new h and means (written into `out`, a pair of tensors, when given; never the inputs).
         """
-        # No autocast guard needed: the step uses no matmul, and _features casts to float32 or wider.
-        phi_q, phi_k, v = self._features(h)  # [B, H, D]
+        # No autocast guard needed: the step uses no matmul, and _feature_map casts to float32 or wider.
+        phi_q, phi_k, v = self._feature_map(self._projections(h))  # [B, H, D]
         att, s_mean, z_mean = linear_attention_step(phi_q, phi_k, v, s_mean, z_mean, share, out)
         return self._finish(h, att), s_mean, z_mean
+
+    def step_compiled(
+        self,
+        h: Tensor,
+        source: tuple[State, Tensor],
+        destination: tuple[State, Tensor],
+        layer: int,
+        share: Tensor,
+    ) -> Tensor:
+        """`step` for serving on CPU, its attention one compiled pass (models/linear_attention_fused.py).
+
+        h [B, d]; source and destination: (states {"s": [*, L, H, D, D], "z": [*, L, H, D]}, rows [B]):
+        account b's means of this layer are read at source row b, the new ones written at destination row
+        b (the same table and rows for an update in place); share [B] = 1 / (events seen + 1). Returns
+        the new h.
+        """
+        from models.linear_attention_fused import fused_step  # numba loads only when a model serves on CPU
+
+        qkv = self._projections(h)  # [B, 3, H, D]
+        phi_qk = phi(qkv[:, :2])  # [B, 2, H, D] in torch: its vectorised exp is ~10x numba's scalar one
+        return self._finish(h, fused_step(phi_qk, qkv, source, destination, layer, share))
+
+
+def _compiled_step_applies(h: Tensor, state: State) -> bool:
+    # The compiled step: CPU, no autograd, activations and state in one float32 or float64 dtype.
+    return (
+        not torch.is_grad_enabled()
+        and h.device.type == "cpu"
+        and h.dtype in (torch.float32, torch.float64)
+        and h.dtype == state["s"].dtype == state["z"].dtype
+    )
 
 
 class LinearTransformerDetector(RecurrentDetector):
@@ -217,8 +256,27 @@ class LinearTransformerDetector(RecurrentDetector):
             new_state = {"s": torch.stack(s_means, 1), "z": torch.stack(z_means, 1)}
         else:  # serving: each layer writes straight into one new state, saving the stack's copy (~7% of a step)
             new_state = {"s": torch.empty_like(state["s"]), "z": torch.empty_like(state["z"])}
+            compiled = _compiled_step_applies(h, state)
+            every = torch.arange(len(h))
             for layer, block in enumerate(self.blocks):
+                if compiled:
+                    h = block.step_compiled(h, (state, every), (new_state, every), layer, share.reshape(-1))
+                    continue
                 into = (new_state["s"][:, layer], new_state["z"][:, layer])
                 h, _, _ = block.step(h, state["s"][:, layer], state["z"][:, layer], share, into)
         new_state["events"] = seen + 1
         return self.head(h), new_state
+
+    def step_in_place(self, x_t: Tensor, table: State, rows: Tensor) -> Tensor | None:
+        """The serving step on CPU, straight on the rows of a state table: no gather or scatter copies of
+        the 8 KiB per account (at 280 accounts they cost twice the attention itself)."""
+        if not _compiled_step_applies(x_t, table):
+            return None
+        self._check_input(x_t, 2)
+        seen = table["events"][rows]  # [b]
+        share = 1.0 / (seen + 1).to(self.state_dtype)  # [b]
+        h = self.encoder(x_t)
+        for layer, block in enumerate(self.blocks):
+            h = block.step_compiled(h, (table, rows), (table, rows), layer, share)
+        table["events"][rows] = seen + 1
+        return self.head(h)

@@ -1,0 +1,64 @@
+"""The linear Transformer's compiled serving step (models/linear_attention_fused.py) against its torch step,
+the reference: same scores and running means to float rounding, on every branch of the update."""
+
+import pytest
+import torch
+
+from consumers.state_store import StateStore
+from models.linear_transformer import LinearTransformerConfig, LinearTransformerDetector
+from tests.models.conftest import TEST_DEVICE
+from tests.models.helpers import make_events, max_state_diff
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the compiled step is the CPU serving path")
+
+# float32: the kernel sums over the head dim in another order than torch, and its denominator in float32
+# where torch's sum may keep more; 5,000-event streams in the contract suite stay within 1e-4.
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def detector(dtype: torch.dtype, **config) -> LinearTransformerDetector:
+    torch.manual_seed(0)
+    return LinearTransformerDetector(LinearTransformerConfig(**config)).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("size", ["default", "tiny"])
+def test_compiled_step_equals_the_torch_step(dtype, size):
+    model = detector(dtype, **(LinearTransformerConfig.TINY if size == "tiny" else {}))
+    x = make_events(model, 40, 30, seed=1)  # [B, T, F]
+    # Accounts 0-39 start with 0-39 events of history: the first, second and later events of an account
+    # take different branches of the update (torch.lerp's weight 1, 0.5, then below 0.5).
+    with torch.no_grad():
+        _, start = model(make_events(model, 40, 39, seed=2), lengths=torch.arange(40))
+    torch_state, compiled_state = start, start
+    for t in range(30):
+        with torch.enable_grad():  # autograd on: the torch step (the compiled one does no autograd)
+            expected, torch_state = model.step(x[:, t], torch_state)
+        with torch.inference_mode():
+            scores, compiled_state = model.step(x[:, t], compiled_state)
+        assert (scores - expected).abs().max().item() <= TOLERANCE[dtype], t
+        assert max_state_diff(compiled_state, torch_state) <= TOLERANCE[dtype], t
+        torch_state = {key: value.detach() for key, value in torch_state.items()}
+
+
+def test_the_store_steps_the_linear_transformer_in_place():
+    model = detector(torch.float32)
+    store = StateStore(model, capacity=8)
+    rows = store.rows([f"account-{i}" for i in range(20)])  # grows the store past its capacity
+    x = make_events(model, 20, 3, seed=3)
+    with torch.inference_mode():
+        expected, expected_state = model.step(x[:, 0], model.init_state(20))
+        in_place = model.step_in_place(x[:, 0], store.states, torch.from_numpy(rows))
+    assert in_place is not None, "no compiled step on CPU: the service would fall back to gather/scatter"
+    assert (in_place - expected).abs().max().item() <= TOLERANCE[torch.float32]
+    assert max_state_diff(store.gather(rows), expected_state) <= TOLERANCE[torch.float32]
+
+
+def test_no_compiled_step_with_autograd_on():
+    model = detector(torch.float32, **LinearTransformerConfig.TINY)
+    table = model.init_state(4)
+    with torch.enable_grad():
+        assert (
+            model.step_in_place(make_events(model, 2, 1, seed=4)[:, 0], table, torch.tensor([0, 3])) is None
+        )
+    assert int(table["events"].sum()) == 0
