@@ -25,6 +25,8 @@ class StateStore:
     @torch.inference_mode()
     def __init__(self, detector: RecurrentDetector, capacity: int = 1024):
         self.detector = detector
+        # detector.device walks its parameters (~10 us a call, several a round): asked once
+        self.device = detector.device
         self._init = detector.init_state(1)  # {key: [1, ...]}: the row of an account with no history
         self.states: State = {
             key: value.expand(capacity, *value.shape[1:]).clone() for key, value in self._init.items()
@@ -89,7 +91,7 @@ class StateStore:
     def _reset(self, rows: np.ndarray) -> None:
         if len(rows) == 0:
             return
-        index = torch.from_numpy(rows).to(self.detector.device)
+        index = torch.from_numpy(rows).to(self.device)
         for key, value in self.states.items():
             value[index] = self._init[key]  # [1, ...] broadcast over the new rows
         self.partition[rows] = NO_POSITION
@@ -106,7 +108,7 @@ class StateStore:
         The copies go into buffers kept from one call to the next: a fresh tensor per call costs ~3x the copy
         itself in page faults once a batch's states reach megabytes (the Transformer's 64 KiB per account).
         """
-        index = torch.from_numpy(rows).to(self.detector.device)
+        index = torch.from_numpy(rows).to(self.device)
         b = len(rows)
         if b > len(next(iter(self._buffers.values()), ())):
             self._buffers = gather_states(self.states, index)  # big enough for b rows from now on
@@ -119,14 +121,14 @@ class StateStore:
     @torch.inference_mode()
     def scatter(self, rows: np.ndarray, part: State) -> None:
         """Write a batch of b states back at `rows` [b]."""
-        scatter_states(self.states, torch.from_numpy(rows).to(self.detector.device), part)
+        scatter_states(self.states, torch.from_numpy(rows).to(self.device), part)
 
     @torch.inference_mode()
     def step(self, rows: np.ndarray, x: torch.Tensor) -> torch.Tensor:
         """Step the accounts at `rows` [b] (distinct) by one event each, x [b, F]: scores [b], and their new
         states in place of the old. The detector's step_in_place where it has one, else gather, step,
         scatter."""
-        index = torch.from_numpy(rows).to(self.detector.device)
+        index = torch.from_numpy(rows).to(self.device)
         scores = self.detector.step_in_place(x, self.states, index)
         if scores is None:
             scores, state = self.detector.step(x, self.gather(rows))

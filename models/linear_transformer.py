@@ -274,7 +274,7 @@ class LinearTransformerDetector(RecurrentDetector):
             return None
         self._check_input(x_t, 2)
         seen = table["events"][rows]  # [b]
-        share = 1.0 / (seen + 1).to(self.state_dtype)  # [b]
+        share = 1.0 / (seen + 1).to(table["s"].dtype)  # [b]
         h = self.encoder(x_t)
         for layer, block in enumerate(self.blocks):
             h = block.step_compiled(h, (table, rows), (table, rows), layer, share)
