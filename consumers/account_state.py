@@ -21,6 +21,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from models.contract import RecurrentDetector
@@ -63,6 +64,54 @@ class AccountRecord:
             len(self.detector),
         )
         return header + self.features + self.detector
+
+
+# _HEADER as a numpy record, to write the headers of many accounts at once (encode_account_records)
+_HEADER_ROW = np.dtype(
+    [
+        ("magic", "S4"),
+        ("version", "<u2"),
+        ("featurizer_state_version", "<u2"),
+        ("feature_version", "<u2"),
+        ("model", "S8"),
+        ("partition", "<i4"),
+        ("offset", "<i8"),
+        ("last_ts_us", "<i8"),
+        ("features_bytes", "<u4"),
+        ("detector_bytes", "<u4"),
+    ]
+)
+assert _HEADER_ROW.itemsize == _HEADER.size
+
+
+def encode_account_records(
+    features: np.ndarray,
+    detector: np.ndarray,
+    model: bytes,
+    partition: np.ndarray,
+    offset: np.ndarray,
+    last_ts_us: np.ndarray,
+) -> list[bytes]:
+    """AccountRecord(...).to_bytes() of N accounts at once, byte for byte: features [N] featurizer records
+    (ACCOUNT_STATE), detector [N, bytes] (models.contract.encode_state_rows), partition, offset and
+    last_ts_us [N]. The service writes a record per changed account per poll, ~280 of them at 500 events a
+    poll; one at a time they cost ~8 us each."""
+    n = len(features)
+    header = np.zeros(n, dtype=_HEADER_ROW)
+    header["magic"] = MAGIC
+    header["version"] = RECORD_VERSION
+    header["featurizer_state_version"] = FEATURIZER_STATE_VERSION
+    header["feature_version"] = FEATURE_VERSION
+    header["model"] = model
+    header["partition"] = partition
+    header["offset"] = offset
+    header["last_ts_us"] = last_ts_us
+    header["features_bytes"] = features.dtype.itemsize
+    header["detector_bytes"] = detector.shape[1]
+    records = np.concatenate(
+        [header.view(np.uint8).reshape(n, -1), features.view(np.uint8).reshape(n, -1), detector], axis=1
+    )
+    return [row.tobytes() for row in records]
 
 
 def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:

@@ -30,10 +30,10 @@ import numpy as np
 import polars as pl
 import torch
 
-from consumers.account_state import AccountRecord, decode_account_record, model_fingerprint
+from consumers.account_state import decode_account_record, encode_account_records, model_fingerprint
 from consumers.messages import Transaction
 from consumers.state_store import StateStore
-from models.contract import decode_account_state, encode_state
+from models.contract import decode_account_state, encode_state_rows
 from pipeline.artifact import LoadedModel
 from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, replay_batches
 
@@ -347,19 +347,15 @@ class Scorer:
         if missing:  # in the store but never featurized: no events applied yet
             table.slots(missing)
         features = table.records[[table.slot_of[a] for a in account_ids]]  # [N] structured records
-        detector = encode_state(self.detector, self.store.gather(rows))
         store = self.store
-        return [
-            AccountRecord(
-                features=features[i].tobytes(),
-                detector=detector[i],
-                model=self.model_fingerprint,
-                partition=int(store.partition[row]),
-                offset=int(store.offset[row]),
-                last_ts_us=int(store.last_ts_us[row]),
-            ).to_bytes()
-            for i, row in enumerate(rows)
-        ]
+        return encode_account_records(
+            features,
+            encode_state_rows(self.detector, store.gather(rows)),  # [N, bytes]
+            self.model_fingerprint,
+            store.partition[rows],
+            store.offset[rows],
+            store.last_ts_us[rows],
+        )
 
     @torch.inference_mode()
     def restore_account(self, account_id: str, data: bytes) -> None:

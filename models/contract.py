@@ -233,6 +233,12 @@ def _payload_bytes(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> in
 
 def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
     """One versioned record per account of a batched state."""
+    return [row.tobytes() for row in encode_state_rows(detector, state)]
+
+
+def encode_state_rows(detector: RecurrentDetector, state: State) -> np.ndarray:
+    """encode_state as one array [B, record bytes] uint8, row b account b's record: for callers that join
+    it to more columns before cutting records (consumers/account_state.py)."""
     layout, header = _codec(detector)
     if sorted(state) != [key for key, _, _ in layout]:
         raise ValueError(
@@ -249,8 +255,8 @@ def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
             )
         array = value.detach().to("cpu").contiguous().numpy().reshape(batch, -1)
         columns.append(array.view(np.uint8))  # [B, bytes of this tensor per account]
-    rows = np.concatenate(columns, axis=1)
-    return [header + row.tobytes() for row in rows]
+    prefix = np.broadcast_to(np.frombuffer(header, dtype=np.uint8), (batch, len(header)))
+    return np.concatenate([prefix, *columns], axis=1)
 
 
 def decode_state(detector: RecurrentDetector, records: list[bytes]) -> State:

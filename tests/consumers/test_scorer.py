@@ -4,6 +4,7 @@ Every registered detector, no exemptions: a tiny freshly built detector (float32
 small generated dataset whose micro-batches hold several events of one account.
 """
 
+import dataclasses
 from datetime import timedelta
 
 import numpy as np
@@ -11,8 +12,10 @@ import polars as pl
 import pytest
 import torch
 
+from consumers.account_state import AccountRecord, decode_account_record
 from consumers.messages import Transaction, transactions_from_frame
 from consumers.scorer import Scorer
+from models.contract import encode_account_state
 from models.registry import REGISTRY, build_detector
 from pipeline.artifact import LoadedModel
 from pipeline.features import TERMINAL_BUCKET_COLUMN, FeatureSpec, compute_features, fit_feature_spec
@@ -177,6 +180,24 @@ def test_evicted_and_restored_account_scores_as_if_never_evicted(name, frame, sp
     evicting.evict(account)
     evicting.restore_account(account, data)
     assert evicting.score(txs[-1:], positions[-1:]) == []
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+def test_batched_state_records_are_account_records_byte_for_byte(name, frame, spec):
+    scorer = Scorer(make_model(name, spec))
+    txs = transactions_from_frame(frame.head(300))
+    scorer.score(txs, [(i % 3, 1_000 + i) for i in range(300)])
+    accounts = sorted(scorer.accounts_in_memory)
+    records = scorer.account_states_bytes(accounts)
+    last = {t.account_id: (i % 3, 1_000 + i, t.ts_us) for i, t in enumerate(txs)}  # each account's last event
+    for account, data in zip(accounts, records, strict=True):
+        record = decode_account_record(data, account)
+        assert (record.partition, record.offset, record.last_ts_us) == last[account]
+        assert record.model == scorer.model_fingerprint
+        assert record.detector == encode_account_state(
+            scorer.detector, scorer.store.gather(scorer.store.rows([account]))
+        )
+        assert AccountRecord(**dataclasses.asdict(record)).to_bytes() == data  # the one-record layout
 
 
 @pytest.mark.parametrize("name", DETECTORS)
