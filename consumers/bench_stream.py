@@ -78,7 +78,7 @@ def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout
             produced_rate = produce(bootstrap, prefix + "transactions", msgs, rate)
         wait_scored(port, len(msgs), proc, timeout_s)  # nothing of the harness runs beside the service
         scores, seen = read_timestamps(bootstrap, prefix + "scores", len(msgs), timeout_s, proc=proc)
-        inputs, _ = read_timestamps(bootstrap, prefix + "transactions", len(msgs), timeout_s)
+        inputs = _input_times(bootstrap, prefix + "transactions", len(msgs), timeout_s, rate)
         busy_s = scrape(port, "txsentinel_batch_seconds_sum")  # main-thread time on batches
     finally:
         if proc.is_alive():
@@ -97,6 +97,12 @@ def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout
         # a half-rate run must not be (its rate comes from the full-speed run, and the VM's pace drifts).
         "busy_share": busy_s / summary["span_s"],
     }
+
+
+def _input_times(bootstrap: str, topic: str, count: int, timeout_s: float, rate: float | None) -> dict | None:
+    """{event: input timestamp} of a run fed at `rate`, for its latency; None for a backlog, whose latency
+    would be only its age."""
+    return None if rate is None else read_timestamps(bootstrap, topic, count, timeout_s)[0]
 
 
 def _timing(outputs: dict, inputs: dict | None = None) -> dict:
@@ -140,8 +146,7 @@ def _raw_run(
                 f"the raw loop did not finish within {timeout_s} s (exit code {proc.exitcode})"
             )
         out, seen = read_timestamps(bootstrap, sink, len(msgs), timeout_s)  # the values are the inputs
-        # A backlog's latency is only its age: the inputs are read (and timed against) at a rate alone.
-        inputs = None if rate is None else read_timestamps(bootstrap, source, len(msgs), timeout_s)[0]
+        inputs = _input_times(bootstrap, source, len(msgs), timeout_s, rate)
     finally:
         if proc.is_alive():
             proc.kill()
