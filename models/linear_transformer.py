@@ -257,7 +257,8 @@ class LinearTransformerDetector(RecurrentDetector):
         else:  # serving: each layer writes straight into one new state, saving the stack's copy (~7% of a step)
             new_state = {"s": torch.empty_like(state["s"]), "z": torch.empty_like(state["z"])}
             compiled = _compiled_step_applies(h, state)
-            every = torch.arange(len(h))
+            # account b: row b of `state` in, row b of `new_state` out
+            every = torch.arange(len(h)) if compiled else None
             for layer, block in enumerate(self.blocks):
                 if compiled:
                     h = block.step_compiled(h, (state, every), (new_state, every), layer, share.reshape(-1))
