@@ -5,8 +5,10 @@ In torch the step's attention is a dozen small operations per layer (two lerps, 
 products and sums, a division, the views between them), each with its own call overhead and its own pass
 over the [B, H, D, D] state: at 280 accounts a layer's state is 2.3 MB, written and read again five times.
 Here one loop per (account, head) reads S / n once, writes the new S / n once, and forms phi(q) S and
-phi(q) . Z from the values it has just written. The feature map phi stays in torch, whose vectorised exp
-is ~10x faster than a scalar one in the loop.
+phi(q) . Z from the values it has just written; on the service's state table it reads and writes the
+accounts' rows where they lie, so no gather or scatter copies the states around the step. The feature map
+phi stays in torch: computed in the loop with a scalar exp, it made the kernel 3.7x slower at 283
+accounts.
 
 The arithmetic is the reference's, term for term: torch.lerp's two branches (start + w (end - start) for
 w < 0.5, end - (end - start)(1 - w) from 0.5 on), the same products. Only the order of the sums over D
