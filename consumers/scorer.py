@@ -32,7 +32,7 @@ import torch
 
 from consumers.account_state import decode_account_record, encode_account_records, model_fingerprint
 from consumers.messages import Transaction
-from consumers.state_store import StateStore
+from consumers.state_store import StateStore, rounds_of
 from models.contract import decode_account_state, encode_state_rows
 from pipeline.artifact import LoadedModel
 from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, replay_batches
@@ -210,7 +210,7 @@ class Scorer:
             features, buckets = self.featurizer.transform(events, labels)  # [M, F] float64, [M] int64
             self.stats.featurize_s += time.perf_counter() - t
             x = np.concatenate([self.spec.normalize(features), buckets[:, None].astype(np.float32)], axis=1)
-            logit, late = self._step_rounds(rows, torch.from_numpy(x), events.ts_us)  # x [M, F + 1]
+            logit, late = self._step_events(rows, torch.from_numpy(x), events.ts_us)  # x [M, F + 1]
             score = _sigmoid(logit)
             out = _Scored(applied, logit, score, score >= self.threshold, late)
             if last_position is not None:
@@ -245,33 +245,19 @@ class Scorer:
                 last[row] = (partition, offset)
         return keep, last
 
-    def _step_rounds(
+    def _step_events(
         self, rows: np.ndarray, x: torch.Tensor, ts_us: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         # rows [M], x [M, F + 1], ts_us [M] -> logits [M] float64, out-of-order flags [M], arrival order
         t = time.perf_counter()
-        m = len(rows)
-        # rank [M]: how many earlier events of the same account this batch holds (the event's round).
-        order = np.argsort(rows, kind="stable")  # grouped by account, arrival order within
-        first = np.ones(m, dtype=bool)
-        first[1:] = rows[order][1:] != rows[order][:-1]
-        group_start = np.maximum.accumulate(np.where(first, np.arange(m), 0))
-        rank = np.empty(m, dtype=np.int64)
-        rank[order] = np.arange(m) - group_start
-        by_round = np.argsort(rank, kind="stable")  # round 0 first, arrival order within a round
-        bounds = np.searchsorted(rank[by_round], np.arange(rank[by_round[-1]] + 2))
-        x = x.to(device=self.detector.device, dtype=self._x_dtype)
         newest = self.store.last_ts_us
-        late = np.empty(m, dtype=bool)
-        logits = []
-        for r in range(len(bounds) - 1):
-            sel = by_round[bounds[r] : bounds[r + 1]]  # [b] one event of each of b accounts
+        late = np.empty(len(rows), dtype=bool)
+        for sel in rounds_of(rows):  # [b] one event of each of b accounts, their k-th in round k
             account_rows = rows[sel]
             late[sel] = ts_us[sel] < newest[account_rows]
             newest[account_rows] = np.maximum(newest[account_rows], ts_us[sel])
-            logits.append(self.store.step(account_rows, x[torch.from_numpy(sel).to(x.device)]))  # [b]
-        logit = np.empty(m)
-        logit[by_round] = torch.cat(logits).to("cpu", torch.float64).numpy()
+        x = x.to(device=self.detector.device, dtype=self._x_dtype)
+        logit = self.store.step(rows, x).to("cpu", torch.float64).numpy()
         self.stats.detector_s += time.perf_counter() - t
         return logit, late
 

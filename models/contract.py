@@ -101,9 +101,11 @@ class RecurrentDetector(nn.Module):
       its state). Gradients flow into `state` unless the caller detaches it (truncated BPTT).
     - `step(x_t [B,F], state) -> (scores [B], new_state)`: one event per account; the input state is never
       modified.
-    - optionally `step_in_place(x_t [b,F], table, rows [b]) -> scores [b] or None`: `step` for the accounts
-      at `rows` of a batched state table, their new states written over the old ones; None where the
-      detector has no such path for these inputs (the caller gathers, steps and scatters instead).
+    - optionally `step_in_place(x [N,F], table, rows [N]) -> scores [N] or None`: N events, event i of the
+      account at row rows[i] of a batched state table; an account may have several, applied in their
+      order; the new states are written over the old ones. Equal to `step` one event at a time. None
+      where the detector has no such path for these inputs (the caller steps in rounds instead: gather,
+      step, scatter, one event of each account a round).
     Scores are logits: sigmoid gives a probability, higher is more suspicious.
     """
 
@@ -121,10 +123,11 @@ class RecurrentDetector(nn.Module):
     def step(self, x_t: Tensor, state: State) -> tuple[Tensor, State]:
         raise NotImplementedError
 
-    def step_in_place(self, x_t: Tensor, table: State, rows: Tensor) -> Tensor | None:
-        """Serving fast path, where a detector has one: step the accounts at `rows` [b] (distinct) of `table`
-        ({key: [capacity, ...]}) by one event each, x_t [b, F], writing their new states into `table`;
-        returns the scores [b]. Equal to gather, `step`, scatter to float rounding. None: no fast path here."""
+    def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor | None:
+        """Serving fast path, where a detector has one: apply events x [N, F] to the accounts at `rows` [N]
+        of `table` ({key: [capacity, ...]}), in order (a row may repeat: its events apply one after the
+        other), writing the new states into `table`; returns the scores [N]. Equal to `step` one event at
+        a time, to float rounding. None: no fast path here."""
         return None
 
     @property
@@ -163,6 +166,20 @@ class RecurrentDetector(nn.Module):
 
 
 # --- moving states around: the service gathers a micro-batch's states, steps, scatters them back ---
+
+
+def earlier_occurrences(rows: Tensor) -> Tensor:
+    """[N] how many earlier entries of `rows` [N] equal each one: an event's round when rows are accounts."""
+    n = len(rows)
+    order = torch.argsort(rows, stable=True)  # grouped by value, original order within
+    grouped = rows[order]
+    first = torch.ones(n, dtype=torch.bool, device=rows.device)
+    first[1:] = grouped[1:] != grouped[:-1]
+    position = torch.arange(n, device=rows.device)
+    group_start = torch.cummax(torch.where(first, position, 0), 0).values
+    rank = torch.empty_like(position)
+    rank[order] = position - group_start
+    return rank
 
 
 def gather_states(store: State, index: Tensor) -> State:

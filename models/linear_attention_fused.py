@@ -26,7 +26,8 @@ def _attention_step(phi_qk, qkv, s_src, z_src, src_rows, s_dst, z_dst, dst_rows,
     # phi_qk [B, 2, H, D]: phi(q), phi(k); qkv [B, 3, H, D]: v is qkv[:, 2]. Account b's means of this layer
     # are read from row src_rows[b] of s_src [*, L, H, D, D] and z_src [*, L, H, D] and the new ones written
     # to row dst_rows[b] of s_dst and z_dst (which may be the same arrays and rows: every element is read
-    # before it is written). share [B] = 1 / (n + 1), rest [B] = 1 - share; att [B, H, D] is written.
+    # before it is written). In place, a row may repeat: b runs in order, so an account's events apply one
+    # after the other. share [B] = 1 / (n + 1), rest [B] = 1 - share; att [B, H, D] is written.
     B, _, H, D = qkv.shape
     numerator = np.empty(D, dtype=s_dst.dtype)
     for b in range(B):

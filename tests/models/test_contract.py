@@ -8,6 +8,7 @@ from models.contract import (
     concat_states,
     decode_account_state,
     decode_state,
+    earlier_occurrences,
     encode_account_state,
     encode_state,
     gather_states,
@@ -97,26 +98,36 @@ def test_state_through_its_byte_codec_between_any_two_steps_changes_nothing(name
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-def test_step_in_place_equals_gather_step_scatter_and_touches_no_other_row(name, dtype):
+def test_step_in_place_equals_stepping_one_event_at_a_time_and_touches_no_other_row(name, dtype):
     detector = make_detector(name, dtype)
-    x = make_events(detector, 6, 9, seed=6)
-    rows = torch.tensor([4, 0, 5])  # out of order: the rows a micro-batch's accounts happen to hold
+    x = make_events(detector, 6, 12, seed=6)
+    # A micro-batch in arrival order: account 4 three times, account 0 twice, account 5 once, interleaved.
+    rows = torch.tensor([4, 0, 5, 4, 4, 0])
+    events = torch.stack([x[row, 5 + i] for i, row in enumerate(rows.tolist())])  # [6, F]
     with torch.inference_mode():
         # Accounts with 0-5 events of history (the linear Transformer's running means update by another
-        # branch on an account's first and second events than on later ones), then four steps in place.
+        # branch on an account's first and second events than on later ones), then the micro-batch twice.
         _, history = detector(x[:, :5], lengths=torch.arange(6))
         table, expected = clone_state(history), clone_state(history)
-        for t in range(5, 9):
-            in_place = detector.step_in_place(x[rows, t], table, rows)
+        for _ in range(2):
+            in_place = detector.step_in_place(events, table, rows)
             if in_place is None:  # no fast path for this detector here: the table must be left alone
                 assert states_equal(table, history)
                 return
-            scores, part = detector.step(x[rows, t], gather_states(expected, rows))
-            scatter_states(expected, rows, part)
-            assert max_score_diff(in_place[None], scores[None]) <= TOLERANCE[dtype]
+            for i, row in enumerate(rows.tolist()):  # the reference: one event at a time
+                index = torch.tensor([row])
+                score, part = detector.step(events[i : i + 1], gather_states(expected, index))
+                scatter_states(expected, index, part)
+                assert max_score_diff(in_place[None, i : i + 1], score[None]) <= TOLERANCE[dtype]
     assert max_state_diff(table, expected) <= TOLERANCE[dtype]
     others = torch.tensor([1, 2, 3])
     assert states_equal(gather_states(table, others), gather_states(history, others))
+
+
+def test_earlier_occurrences_counts_each_value_s_earlier_entries():
+    rows = torch.tensor([7, 3, 7, 7, 2, 3, 9])
+    assert earlier_occurrences(rows).tolist() == [0, 0, 1, 2, 0, 1, 0]
+    assert earlier_occurrences(torch.tensor([], dtype=torch.long)).tolist() == []
 
 
 def test_gather_step_scatter_equals_stepping_the_whole_batch(name):

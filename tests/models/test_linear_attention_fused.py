@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from consumers.state_store import StateStore
+from models.contract import gather_states, scatter_states
 from models.linear_transformer import LinearTransformerConfig, LinearTransformerDetector
 from tests.models.conftest import TEST_DEVICE
 from tests.models.helpers import make_events, max_state_diff
@@ -41,17 +42,23 @@ def test_compiled_step_equals_the_torch_step(dtype, size):
         torch_state = {key: value.detach() for key, value in torch_state.items()}
 
 
-def test_the_store_steps_the_linear_transformer_in_place():
+def test_the_store_steps_a_micro_batch_in_place_in_one_call():
     model = detector(torch.float32)
     store = StateStore(model, capacity=8)
-    rows = store.rows([f"account-{i}" for i in range(20)])  # grows the store past its capacity
-    x = make_events(model, 20, 3, seed=3)
+    accounts = [f"account-{i % 13}" for i in range(40)]  # 13 accounts, up to 4 events each, interleaved
+    rows = store.rows(accounts)  # grows the store past its capacity
+    x = make_events(model, 1, 40, seed=3)[0]  # [40, F] in arrival order
+    expected, state = torch.empty(40), model.init_state(13)
     with torch.inference_mode():
-        expected, expected_state = model.step(x[:, 0], model.init_state(20))
-        in_place = model.step_in_place(x[:, 0], store.states, torch.from_numpy(rows))
-    assert in_place is not None, "no compiled step on CPU: the service would fall back to gather/scatter"
+        for i in range(40):  # the torch step, one event at a time
+            account = torch.tensor([i % 13])
+            score, part = model.step(x[i : i + 1], gather_states(state, account))
+            expected[i] = score[0]
+            scatter_states(state, account, part)
+        in_place = model.step_in_place(x, store.states, torch.from_numpy(rows))
+    assert in_place is not None, "no compiled step on CPU: the service would fall back to rounds"
     assert (in_place - expected).abs().max().item() <= TOLERANCE[torch.float32]
-    assert max_state_diff(store.gather(rows), expected_state) <= TOLERANCE[torch.float32]
+    assert max_state_diff(store.gather(rows[:13]), state) <= TOLERANCE[torch.float32]
 
 
 def test_no_compiled_step_with_autograd_on():
