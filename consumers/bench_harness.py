@@ -156,7 +156,7 @@ def wait_scored(port: int, count: int, proc, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
-def read_timestamps(bootstrap: str, topic: str, count: int, timeout_s: float, proc=None, key=None):
+def read_timestamps(bootstrap: str, topic: str, count: int, timeout_s: float, proc=None):
     """Read `count` committed records of `topic` -> {event_id: timestamp_ms} (event_id from the JSON value)."""
     from kafka import KafkaConsumer
     from kafka.structs import TopicPartition
@@ -186,7 +186,7 @@ def read_timestamps(bootstrap: str, topic: str, count: int, timeout_s: float, pr
             for records in consumer.poll(timeout_ms=500, max_records=5000).values():
                 for r in records:
                     seen += 1
-                    out[json.loads(r.value)["event_id"] if key is None else key(r)] = r.timestamp
+                    out[json.loads(r.value)["event_id"]] = r.timestamp
         return out, seen
     finally:
         consumer.close()

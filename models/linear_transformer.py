@@ -5,8 +5,8 @@ S = sum phi(k) v^T [D, D] and Z = sum phi(k) [D]; out = phi(q) S / (phi(q) . Z) 
 models/linear_attention_naive.py). Training runs the chunked parallel form, serving the recurrence; both
 sit in LinearAttentionBlock. Serving on CPU, the step's attention runs as one compiled pass per layer
 (models/linear_attention_fused.py), and step_in_place takes a whole micro-batch at once, straight on the
-rows of the service's state table; linear_attention_step stays the reference they are tested against. Shapes: B accounts, T events, H heads,
-D head dim, L layers, d = H * D.
+rows of the service's state table; linear_attention_step stays the reference they are tested against.
+Shapes: B accounts, T events, H heads, D head dim, L layers, d = H * D.
 
 Numerics.
 - phi is computed as exp(min(x, 0)) + max(x, 0), in float32 at least, floored at PHI_FLOOR. Written as
