@@ -42,11 +42,23 @@ def keep_off(core: int | None) -> None:
 
 
 # -- child processes -------------------------------------------------------------------------------------
-def service_child(overrides: dict, model_dir: str, bootstrap: str, core: int | None) -> None:
+def service_child(
+    overrides: dict, model_dir: str, bootstrap: str, core: int | None, phase_log: str | None = None
+) -> None:
+    """serve() pinned to `core`; with `phase_log`, the service's log at DEBUG goes to that file: a line a
+    batch with its phases' seconds, timestamped, to place a slow batch against the broker's own logs."""
     pin(core)
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    if phase_log is not None:
+        for handler in logging.getLogger().handlers:
+            handler.setLevel(logging.WARNING)  # the DEBUG lines go to the file only
+        to_file = logging.FileHandler(phase_log, mode="w")
+        to_file.setFormatter(logging.Formatter("%(created).3f %(levelname)s %(name)s %(message)s"))
+        service_log = logging.getLogger("consumers.service")
+        service_log.setLevel(logging.DEBUG)
+        service_log.addHandler(to_file)
     from consumers.service import serve
     from consumers.service_config import load_serve_config
 

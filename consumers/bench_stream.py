@@ -38,6 +38,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import tempfile
 import uuid
@@ -63,14 +64,15 @@ from consumers.bench_harness import (
 from consumers.metrics import free_port, scrape
 
 
-def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s) -> dict:
+def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s, phase_log=None) -> dict:
     """The service over `topic_prefix`transactions: a backlog of `msgs` already there (rate None), or fed at
-    `rate` events/s once it has joined its group."""
+    `rate` events/s once it has joined its group. `phase_log`: a file for its per-batch log (service_child)."""
     prefix = overrides["topic_prefix"]
     produced_rate = None
     port = free_port()
     overrides = {**overrides, "metrics_host": "127.0.0.1", "metrics_port": port}
-    proc = ctx.Process(target=service_child, args=(overrides, model_dir, bootstrap, core), daemon=True)
+    args = (overrides, model_dir, bootstrap, core, None if phase_log is None else str(phase_log))
+    proc = ctx.Process(target=service_child, args=args, daemon=True)
     proc.start()
     try:
         wait_owned(bootstrap, overrides["group_id"], proc)
@@ -177,11 +179,14 @@ def run_stream_bench(
     core: int | None = -1,
     timeout_s: float = 600.0,
     settings: dict | None = None,
+    phase_logs: Path | None = None,
 ) -> dict:
     """Benchmark one model (a LoadedModel or a model directory/URI loadable by the service) on `bootstrap`.
 
     core: the CPU the service and the raw loop are pinned to (-1: the highest allowed; None: no pinning).
     settings: serve settings for the service runs (e.g. {"max_states_in_memory": 300}); not the raw loop.
+    phase_logs: a path stem; the service's runs write their per-batch logs to `<stem>.full.log` and
+    `<stem>.half.log` (a line a batch: events, each phase's seconds, the commit's; epoch timestamps).
     Returns {"service": {...}, "raw": {...}, "half_rate": {...}, "raw_half_rate": {...}, "ratio": service/raw,
     ...}.
     """
@@ -204,9 +209,10 @@ def run_stream_bench(
             **(settings or {}),
         }
 
-        def service(prefix: str, msgs: list, rate: float | None) -> dict:
+        def service(prefix: str, msgs: list, rate: float | None, run: str) -> dict:
             overrides = {**base, "topic_prefix": prefix, "group_id": prefix + "group"}
-            return _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s)
+            log = None if phase_logs is None else phase_logs.with_name(f"{phase_logs.name}.{run}.log")
+            return _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s, log)
 
         def raw(prefix: str, msgs: list, rate: float | None, run: str = "") -> dict:
             args = (partitions, max_poll_records, core, rate, timeout_s, run)
@@ -219,12 +225,12 @@ def run_stream_bench(
             # The ceiling brackets the service's run: this VM's pace drifts by up to 2x within minutes, and
             # one raw run after the service (as before) moved the ratio by as much.
             raw_before = raw(prefixes[0], msgs, None, "-before")
-            full = service(prefixes[0], msgs, None)
+            full = service(prefixes[0], msgs, None, "full")
             raw_after = raw(prefixes[0], msgs, None, "-after")
             ceiling = (raw_before["events_per_s"] + raw_after["events_per_s"]) / 2
             rate = full["events_per_s"] / 2
             n_half = int(min(events, max(1000, rate * half_rate_seconds)))
-            half = service(prefixes[1], msgs[:n_half], rate)
+            half = service(prefixes[1], msgs[:n_half], rate, "half")
             half["target_events_per_s"] = rate
             raw_half = raw(prefixes[2], msgs[:n_half], rate)  # the client's latency at the same rate
             raw_half["target_events_per_s"] = rate
@@ -294,6 +300,14 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _phase_log_stem(directory: Path | None, model_name: str) -> Path | None:
+    """DIR/<model name as a file name> ("lstm models:/txsentinel@champion" -> "lstm_models_txsentinel_champion")."""
+    if directory is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name).strip("_")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=50_000)
@@ -309,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-poll-records", type=int, default=500)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a serve setting (repeatable)")
+    parser.add_argument(
+        "--phase-log",
+        type=Path,
+        metavar="DIR",
+        help="write each service run's per-batch log here (MODEL.full.log, MODEL.half.log)",
+    )
     args = parser.parse_args(argv)
     from consumers.service_config import load_serve_config, parse_settings
 
@@ -340,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = run_stream_bench(
                 model, bootstrap, events=args.events, partitions=args.partitions,
                 max_poll_records=args.max_poll_records, core=core, settings=settings,
+                phase_logs=_phase_log_stem(args.phase_log, name),
             )  # fmt: skip
             print(log_prefix, json.dumps(results[name], default=float), flush=True)
     print(format_table(results))

@@ -155,6 +155,7 @@ def _bench(args: argparse.Namespace) -> int:
         argv += ["--detectors", *args.models] if args.models else []
         argv += [f"--model={uri}" for uri in args.model or []]
         argv += [f"--set={item}" for item in args.set or []]
+        argv += ["--phase-log", str(args.phase_log)] if args.phase_log else []
         return run_stream_bench(argv)
     elif args.bench == "replay":
         from pipeline.bench import run_replay_bench
@@ -314,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="a serve setting for the service (repeatable)"
+    )
+    b.add_argument(
+        "--phase-log",
+        type=Path,
+        metavar="DIR",
+        help="write each service run's per-batch log (events, phase and commit seconds) into DIR",
     )
     b.set_defaults(run=_bench)
     b = bench.add_parser("replay", help="history replayed through the live scorer (the backtest path)")

@@ -252,6 +252,17 @@ def test_readme_commands_run_as_written(kafka_bootstrap, tmp_path):
     for words in each("txsentinel bench stream"):
         out = run(words, tmp_path, {**env, "TXS_KAFKA_PORT": kafka_bootstrap.rsplit(":", 1)[1]})
         assert "svc/ceiling" in out
+        if "--phase-log" in words:  # each service run's per-batch log, a timestamped line a batch
+            logs = sorted((tmp_path / words[words.index("--phase-log") + 1]).iterdir())
+            names = [log.name for log in logs]
+            assert names == [
+                f"{m}.{phase}.log" for m in ("linear_transformer", "lstm") for phase in ("full", "half")
+            ]
+            for log in logs:
+                batches = [line for line in log.read_text().splitlines() if " batch events=" in line]
+                assert batches and all(
+                    float(line.split()[0]) > 1e9 and "commit_s=" in line for line in batches
+                )
         if "--model" in words:  # the trained champion's row, by its URI, and no untrained detectors
             uri = words[words.index("--model") + 1]
             lines = out.splitlines()
