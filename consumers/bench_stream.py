@@ -304,7 +304,6 @@ def _phase_log_stem(directory: Path | None, model_name: str) -> Path | None:
     """DIR/<model name as a file name> ("lstm models:/txsentinel@champion" -> "lstm_models_txsentinel_champion")."""
     if directory is None:
         return None
-    directory.mkdir(parents=True, exist_ok=True)
     return directory / re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name).strip("_")
 
 
@@ -330,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         help="write each service run's per-batch log here (MODEL.full.log, MODEL.half.log)",
     )
     args = parser.parse_args(argv)
+    if args.phase_log is not None:
+        args.phase_log.mkdir(parents=True, exist_ok=True)
     from consumers.service_config import load_serve_config, parse_settings
 
     settings = parse_settings(args.set)
