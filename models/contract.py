@@ -255,7 +255,7 @@ def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
 
 def encode_state_rows(detector: RecurrentDetector, state: State) -> np.ndarray:
     """encode_state as one array [B, record bytes] uint8, row b account b's record: for callers that join
-    it to more columns before cutting records (consumers/account_state.py)."""
+    it to more columns before cutting records (consumers/scoring/account_state.py)."""
     layout, header = _codec(detector)
     if sorted(state) != [key for key, _, _ in layout]:
         raise ValueError(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 from kafka import KafkaAdminClient
 
-from consumers.broker import (
+from pipeline.bench.broker import (
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
     kafka_port,

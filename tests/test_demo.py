@@ -3,7 +3,7 @@ promote, compare, serve the champion, stream through Kafka, summarise."""
 
 import pytest
 
-from pipeline.demo import DemoConfig, run_demo
+from pipeline.cli.demo import DemoConfig, run_demo
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from consumers.broker import REPO_ROOT
+from pipeline.bench.broker import REPO_ROOT
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 

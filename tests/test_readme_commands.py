@@ -21,7 +21,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from consumers.metrics import free_port
+from consumers.runtime.metrics import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -152,7 +152,7 @@ def stop(proc: subprocess.Popen) -> int:
 def test_readme_commands_run_as_written(kafka_bootstrap, tmp_path):
     from kafka import KafkaAdminClient, KafkaProducer
 
-    from consumers.messages import encode_transaction, transactions_from_frame
+    from consumers.scoring.messages import encode_transaction, transactions_from_frame
 
     # The README's relative paths (configs/..., scripts/...) resolve in a scratch working directory.
     (tmp_path / "configs").symlink_to(ROOT / "configs")

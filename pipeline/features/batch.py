@@ -9,6 +9,7 @@ passes, readable and slower; the tests hold the two equal bit for bit.
 import numpy as np
 import polars as pl
 
+from pipeline.data.schema import EVENT_ORDER
 from pipeline.features import kernels
 from pipeline.features.definitions import (
     DAY_US,
@@ -20,7 +21,6 @@ from pipeline.features.definitions import (
     seen_bucket,
     terminal_bucket,
 )
-from pipeline.schema import EVENT_ORDER
 
 _WINDOWS = np.asarray(WINDOW_DAYS, dtype=np.int64)
 

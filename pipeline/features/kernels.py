@@ -7,7 +7,7 @@ timestamp and, for every window, a pointer to the entity's first event still ins
 move forward because the events are in (ts, event_id) order, so each entity's days never decrease.
 
 Every float is computed with the reference's operations in the reference's order, so the results are
-identical, not merely close; tests/pipeline/test_features.py holds the two equal on generated data.
+identical, not merely close; tests/pipeline/features/test_features.py holds the two equal on generated data.
 All arrays are [N] in event order unless said otherwise; W = number of windows.
 """
 

@@ -12,7 +12,7 @@ replay see — this never happens and both forms agree exactly.
 Terminal state is ORDER-FREE: each event is counted at its terminal on its own day (a ring bucket keeps its
 newest day), fraud reports on their label day, and max_day is a maximum, so the terminal table is the same
 whatever order, batching or split across instances the events and labels are folded in. The scoring
-service relies on it to merge other instances' terminal counts (consumers/terminal_deltas.py).
+service relies on it to merge other instances' terminal counts (consumers/terminals/deltas.py).
 
 Labels are applied at their label_ts: a fraud label given with a batch counts for the events of that batch
 with ts >= label_ts and for every later batch. So a caller must not pass a label whose label_ts is later than
@@ -113,7 +113,7 @@ class StreamingFeaturizer:
         self.accounts = StateTable(ACCOUNT_STATE)
         self.terminals = StateTable(TERMINAL_STATE)
         # When a list, every change to terminal state is also appended here as an operation that
-        # apply_terminal_ops can redo exactly (the service journals them: consumers/terminal_table.py).
+        # apply_terminal_ops can redo exactly (the service journals them: consumers/terminals/table.py).
         self.terminal_journal: list[TerminalOp] | None = None
 
     # -- state codec -------------------------------------------------------------------------------------

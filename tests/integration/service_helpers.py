@@ -16,13 +16,13 @@ import torch
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 
-from consumers.messages import Transaction
-from consumers.metrics import scrape
-from consumers.service import serve
-from consumers.service_config import ServeConfig, load_serve_config
+from consumers.runtime.metrics import scrape
+from consumers.runtime.settings import ServeConfig, load_serve_config
+from consumers.scoring.messages import Transaction
+from consumers.service.loop import serve
 from models.registry import build_detector
-from pipeline.artifact import save_model_dir
 from pipeline.features import compute_features, fit_feature_spec
+from pipeline.registry.artifact import save_model_dir
 
 TOLERANCE = 1e-5
 
@@ -158,8 +158,8 @@ def assert_same_scores(by_event: dict[str, dict], reference) -> None:
 # serve() in a child process that the test kills with SIGKILL: no stop, no close, a transaction maybe open.
 CHILD = """
 import json, logging, sys
-from consumers.service import serve
-from consumers.service_config import load_serve_config
+from consumers.service.loop import serve
+from consumers.runtime.settings import load_serve_config
 logging.basicConfig(level=logging.INFO)
 serve(load_serve_config(overrides=json.loads(sys.argv[1]), env={}), sys.argv[2], sys.argv[3])
 """

@@ -1,4 +1,4 @@
-"""Reading a compacted state topic back (consumers/compacted.py) against the real broker."""
+"""Reading a compacted state topic back (consumers/runtime/compacted.py) against the real broker."""
 
 import threading
 import time
@@ -7,7 +7,7 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
-from consumers.compacted import Reader, read_at, read_latest, read_recent
+from consumers.runtime.compacted import Reader, read_at, read_latest, read_recent
 
 pytestmark = [pytest.mark.kafka]
 

@@ -26,13 +26,13 @@ import pytest
 from kafka import KafkaProducer
 from kafka.partitioner.default import murmur2
 
-from consumers.broker import REPO_ROOT
-from consumers.messages import encode_transaction, transactions_from_frame
-from consumers.metrics import free_port
-from consumers.scorer import Scorer
-from consumers.topics import ensure_topics
-from pipeline.artifact import load_model
-from pipeline.generate import GenerateConfig, generate
+from consumers.runtime.metrics import free_port
+from consumers.runtime.topics import ensure_topics
+from consumers.scoring.messages import encode_transaction, transactions_from_frame
+from consumers.scoring.scorer import Scorer
+from pipeline.bench.broker import REPO_ROOT
+from pipeline.data.generate import GenerateConfig, generate
+from pipeline.registry.tracking import load_model
 from tests.integration.service_helpers import (
     CHILD,
     Running,

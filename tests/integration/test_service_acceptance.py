@@ -20,10 +20,10 @@ import polars as pl
 import pytest
 import torch
 
-from consumers.messages import MAX_MESSAGE_BYTES, encode_transaction, transactions_from_frame
-from pipeline.artifact import load_model
+from consumers.scoring.messages import MAX_MESSAGE_BYTES, encode_transaction, transactions_from_frame
+from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features import TERMINAL_BUCKET_COLUMN, compute_features
-from pipeline.generate import GenerateConfig, generate
+from pipeline.registry.tracking import load_model
 from tests.integration.service_helpers import (
     Running,
     assert_exactly_once,

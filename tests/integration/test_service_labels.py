@@ -20,16 +20,22 @@ import numpy as np
 import polars as pl
 import pytest
 
-from consumers.compacted import Reader
-from consumers.messages import Label, Transaction, encode_label, encode_transaction, transactions_from_frame
-from consumers.metrics import free_port, scrape
-from consumers.scorer import Scorer
-from consumers.terminal_deltas import decode_deltas
-from consumers.terminal_feed import label_batch
-from consumers.terminal_table import pack_header, read_table
-from pipeline.artifact import load_model
+from consumers.runtime.compacted import Reader
+from consumers.runtime.metrics import free_port, scrape
+from consumers.scoring.messages import (
+    Label,
+    Transaction,
+    encode_label,
+    encode_transaction,
+    transactions_from_frame,
+)
+from consumers.scoring.scorer import Scorer
+from consumers.terminals.deltas import decode_deltas
+from consumers.terminals.feed import label_batch
+from consumers.terminals.table import pack_header, read_table
+from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features.stream import EventBatch, StreamingFeaturizer, replay_batches
-from pipeline.generate import GenerateConfig, generate
+from pipeline.registry.tracking import load_model
 from tests.integration import test_service
 from tests.integration.service_helpers import (
     Running,

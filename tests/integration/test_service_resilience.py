@@ -10,7 +10,7 @@ Each ends with a read_committed reader of `scores` that must see exactly one sco
 Why full parity holds with several partitions and several instances: every event here gets its OWN terminal id
 (`T-<event_id>`). Terminal features count events across accounts, so they depend on the order in which
 events of different partitions are applied (a batch goes partition by partition, the reference in ts order),
-and with two instances each one counts only its own partitions' events (consumers/terminal_table.py). With
+and with two instances each one counts only its own partitions' events (consumers/terminals/table.py). With
 one event per terminal every terminal feature is that of a never-seen terminal wherever and whenever the
 event is scored, so the scores depend on account state only. These tests are therefore about account state
 (changelog restore, offsets, transactions), compared on the FULL score; the terminal table's own restore is
@@ -33,11 +33,11 @@ import polars as pl
 import pytest
 from kafka import KafkaAdminClient
 
-from consumers.broker import REPO_ROOT
-from consumers.messages import Transaction, encode_transaction, transactions_from_frame
-from consumers.scorer import Scorer
-from pipeline.artifact import load_model
-from pipeline.generate import GenerateConfig, generate
+from consumers.scoring.messages import Transaction, encode_transaction, transactions_from_frame
+from consumers.scoring.scorer import Scorer
+from pipeline.bench.broker import REPO_ROOT
+from pipeline.data.generate import GenerateConfig, generate
+from pipeline.registry.tracking import load_model
 from tests.integration.service_helpers import (
     CHILD,
     Running,

@@ -5,7 +5,7 @@ import pytest
 from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType
 
-from consumers.topics import ensure_topics
+from consumers.runtime.topics import ensure_topics
 from tests.integration.service_helpers import create_topic, prefixed_configs
 
 pytestmark = pytest.mark.kafka

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from pipeline.gpu_check import tf32
+from pipeline.bench.gpu_check import tf32
 
 TEST_DEVICE = os.environ.get("TXSENTINEL_TEST_DEVICE", "cpu")
 

@@ -25,6 +25,7 @@ from tests.models.helpers import (
     make_events,
     max_score_diff,
     max_state_diff,
+    states_close,
     states_equal,
     step_through,
 )
@@ -140,7 +141,7 @@ def test_gather_step_scatter_equals_stepping_the_whole_batch(name):
         _, part = detector.step(x[index, 11], gather_states(store, index))
         store = clone_state(store)
         scatter_states(store, index, part)
-    assert states_equal(gather_states(store, index), gather_states(full, index))
+    assert states_close(gather_states(store, index), gather_states(full, index))
 
 
 def test_codec_refuses_records_it_cannot_read_and_says_why(name):

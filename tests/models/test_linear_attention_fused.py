@@ -4,7 +4,7 @@ the reference: same scores and running means to float rounding, on every branch 
 import pytest
 import torch
 
-from consumers.state_store import StateStore
+from consumers.scoring.state_store import StateStore
 from models.contract import gather_states, scatter_states
 from models.linear_transformer import LinearTransformerConfig, LinearTransformerDetector
 from tests.models.conftest import TEST_DEVICE

@@ -1,0 +1,91 @@
+"""The scoring service's topics: created when missing, refused when their partition counts break the design.
+
+`transactions`, `scores`, `alerts`, `dead-letter`, `labels`: plain topics. The account-state changelog:
+compacted, as many partitions as `transactions`. The terminal table: compacted, one partition. The terminal
+deltas: as many partitions as `transactions`, time retention (consumers/terminals/table.py).
+"""
+
+import logging
+
+from kafka import KafkaAdminClient
+from kafka.errors import TopicAlreadyExistsError
+
+from consumers.runtime.settings import ServeConfig
+
+TABLE_PARTITIONS = 1  # small and read whole by every instance: one partition keeps it simple and ordered
+
+log = logging.getLogger(__name__)
+
+# The changelog and the terminal table keep every key's latest record forever: compaction only, no time
+# retention. Segments roll hourly (the default is a week or 1 GiB): the cleaner compacts only closed
+# segments, and a restore reads everything not compacted yet (superseded states, tombstoned journal records).
+COMPACTED_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1", "segment.ms": str(60 * 60 * 1000)}
+
+
+def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
+    """Create the service's missing topics; returns the partition count of `transactions`.
+
+    Refuses a changelog whose partition count differs from the transactions topic: restoring input
+    partition p reads changelog partition p, so the counts must match.
+    """
+    admin = KafkaAdminClient(
+        bootstrap_servers=bootstrap, client_id="txsentinel-serve-admin", **cfg.kafka_security
+    )
+    try:
+        existing = set(admin.list_topics())
+        transactions = cfg.topic("transactions")
+        if transactions not in existing:
+            _create(admin, transactions, cfg.transactions_partitions, cfg.replication_factor, {})
+        partitions = _partition_count(admin, transactions)
+        for name in ("scores", "alerts", "dead_letter"):
+            if cfg.topic(name) not in existing:
+                _create(admin, cfg.topic(name), partitions, cfg.replication_factor, {})
+        changelog = cfg.topic("changelog")
+        if changelog not in existing:
+            _create(admin, changelog, partitions, cfg.replication_factor, COMPACTED_CONFIG)
+        found = _partition_count(admin, changelog)
+        if found != partitions:
+            raise ValueError(
+                f"changelog topic {changelog!r} has {found} partitions, {transactions!r} has {partitions}: they "
+                "must match (state of input partition p lives in changelog partition p). Add partitions to the "
+                "changelog with kafka-topics.sh --alter, or point changelog_topic at a new topic and replay"
+            )
+        labels = cfg.topic("labels")
+        if labels not in existing:
+            _create(admin, labels, partitions, cfg.replication_factor, {})
+        deltas = cfg.topic("terminal_deltas")
+        if deltas not in existing:
+            retention = {"cleanup.policy": "delete", "retention.ms": str(cfg.terminal_deltas_retention_ms)}
+            _create(admin, deltas, partitions, cfg.replication_factor, retention)
+        table = cfg.topic("terminal_table")
+        if table not in existing:
+            _create(
+                admin,
+                table,
+                TABLE_PARTITIONS,
+                cfg.replication_factor,
+                COMPACTED_CONFIG,
+            )
+        found = _partition_count(admin, table)
+        if found != TABLE_PARTITIONS:
+            raise ValueError(
+                f"terminal table topic {table!r} has {found} partitions, expected "
+                f"{TABLE_PARTITIONS}; point terminal_table_topic at a new topic"
+            )
+        return partitions
+    finally:
+        admin.close()
+
+
+def _create(admin: KafkaAdminClient, name: str, partitions: int, replication: int, config: dict) -> None:
+    spec = {"num_partitions": partitions, "replication_factor": replication, "configs": config}
+    try:
+        admin.create_topics({name: spec}, wait_for_metadata=True)
+        log.info("created topic=%s partitions=%d config=%s", name, partitions, config)
+    except TopicAlreadyExistsError:
+        pass  # another instance created it in between
+
+
+def _partition_count(admin: KafkaAdminClient, topic: str) -> int:
+    (described,) = admin.describe_topics([topic])
+    return len(described["partitions"])

@@ -1,0 +1,151 @@
+"""Recurrent states of the accounts in memory, as rows of batched tensors, with their exactly-once bookkeeping.
+
+A micro-batch goes in rounds of one event an account: each round gathers the rows of its accounts into one
+batch, steps the detector once, and scatters the new states back (models.contract gather_states /
+scatter_states), so a round costs one batched call however many accounts are in memory. A detector with a
+step_in_place (the linear Transformer on CPU) takes the whole micro-batch at once, on the rows where they
+lie. Rows: account -> row through a dict; capacity doubles when full; an evicted
+account's row goes to a free list and is reset to init_state when reused.
+
+Beside each row: the account's last applied source position (partition, offset) and the newest event ts
+applied, as numpy arrays [capacity] — what the scorer's duplicate and out-of-order checks read.
+"""
+
+from collections.abc import KeysView, Sequence
+
+import numpy as np
+import torch
+
+from consumers.scoring.account_state import NO_POSITION, NO_TS
+from models.contract import RecurrentDetector, State, earlier_occurrences, gather_states, scatter_states
+
+
+class StateStore:
+    """Batched detector states [capacity, ...] on the detector's device, one row per account in memory."""
+
+    @torch.inference_mode()
+    def __init__(self, detector: RecurrentDetector, capacity: int = 1024):
+        self.detector = detector
+        # detector.device walks its parameters (~10 us a call, several a round): asked once
+        self.device = detector.device
+        self._init = detector.init_state(1)  # {key: [1, ...]}: the row of an account with no history
+        self.states: State = {
+            key: value.expand(capacity, *value.shape[1:]).clone() for key, value in self._init.items()
+        }
+        self.partition = np.full(capacity, NO_POSITION, dtype=np.int64)
+        self.offset = np.full(capacity, NO_POSITION, dtype=np.int64)
+        self.last_ts_us = np.full(capacity, NO_TS, dtype=np.int64)
+        self.slot_of: dict[str, int] = {}
+        self._free: list[int] = []
+        self._used = 0  # rows 0 .. _used - 1 have been handed out at least once
+        self._buffers: State = {}  # gather's output buffers, [rows of the largest gather so far, ...]
+
+    @property
+    def capacity(self) -> int:
+        return len(self.offset)
+
+    def accounts(self) -> KeysView[str]:
+        return self.slot_of.keys()
+
+    def __contains__(self, account_id: str) -> bool:
+        return account_id in self.slot_of
+
+    def rows(self, account_ids: Sequence[str]) -> np.ndarray:
+        """[N] row of each account, giving fresh rows (state of no history) to accounts not in memory."""
+        found = list(map(self.slot_of.get, account_ids))  # C-speed look-ups; None for new accounts
+        if None in found:
+            new = []
+            for i, row in enumerate(found):
+                if row is None:
+                    # An account repeated within the batch gets one row, at its first occurrence.
+                    row = self.slot_of.get(account_ids[i])
+                    if row is None:
+                        row = self._allocate(account_ids[i])
+                        new.append(row)
+                    found[i] = row
+            self._reset(np.asarray(new, dtype=np.int64))
+        return np.asarray(found, dtype=np.int64)
+
+    def _allocate(self, account_id: str) -> int:
+        if self._free:
+            row = self._free.pop()
+        else:
+            if self._used == self.capacity:
+                self._grow()
+            row = self._used
+            self._used += 1
+        self.slot_of[account_id] = row
+        return row
+
+    @torch.inference_mode()
+    def _grow(self) -> None:
+        # Doubling: a copy of the store now and then, amortised O(1) per new account.
+        added = self.capacity
+        for key, value in self.states.items():
+            fresh = self._init[key].expand(added, *value.shape[1:])
+            self.states[key] = torch.cat([value, fresh])
+        self.partition = np.concatenate([self.partition, np.full(added, NO_POSITION, dtype=np.int64)])
+        self.offset = np.concatenate([self.offset, np.full(added, NO_POSITION, dtype=np.int64)])
+        self.last_ts_us = np.concatenate([self.last_ts_us, np.full(added, NO_TS, dtype=np.int64)])
+
+    @torch.inference_mode()
+    def _reset(self, rows: np.ndarray) -> None:
+        if len(rows) == 0:
+            return
+        index = torch.from_numpy(rows).to(self.device)
+        for key, value in self.states.items():
+            value[index] = self._init[key]  # [1, ...] broadcast over the new rows
+        self.partition[rows] = NO_POSITION
+        self.offset[rows] = NO_POSITION
+        self.last_ts_us[rows] = NO_TS
+
+    def evict(self, account_id: str) -> None:
+        self._free.append(self.slot_of.pop(account_id))
+
+    @torch.inference_mode()
+    def gather(self, rows: np.ndarray) -> State:
+        """States of `rows` [b] as a batch of b: copies, valid until the next gather.
+
+        The copies go into buffers kept from one call to the next: a fresh tensor per call costs ~3x the copy
+        itself in page faults once a batch's states reach megabytes (the Transformer's 64 KiB per account).
+        """
+        index = torch.from_numpy(rows).to(self.device)
+        b = len(rows)
+        if b > len(next(iter(self._buffers.values()), ())):
+            self._buffers = gather_states(self.states, index)  # big enough for b rows from now on
+            return dict(self._buffers)
+        return {
+            key: torch.index_select(self.states[key], 0, index, out=buffer[:b])
+            for key, buffer in self._buffers.items()
+        }
+
+    @torch.inference_mode()
+    def scatter(self, rows: np.ndarray, part: State) -> None:
+        """Write a batch of b states back at `rows` [b]."""
+        scatter_states(self.states, torch.from_numpy(rows).to(self.device), part)
+
+    @torch.inference_mode()
+    def step(self, rows: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+        """Apply events x [N, F] to the accounts at `rows` [N] in order (an account may have several): their
+        scores [N], and the new states in place of the old. The detector's step_in_place takes them all at
+        once where it has one; otherwise they go in rounds of one event an account (rounds_of), each
+        round one gather, step and scatter."""
+        index = torch.from_numpy(rows).to(self.device)
+        scores = self.detector.step_in_place(x, self.states, index)
+        if scores is not None:
+            return scores
+        scores = torch.empty(len(rows), dtype=x.dtype, device=x.device)
+        for sel in rounds_of(rows):
+            round_index = torch.from_numpy(sel).to(x.device)
+            scores[round_index], state = self.detector.step(x[round_index], self.gather(rows[sel]))
+            self.scatter(rows[sel], state)
+        return scores
+
+
+def rounds_of(rows: np.ndarray) -> list[np.ndarray]:
+    """Positions of `rows` [N] in rounds: round r holds each account's (r+1)-th event, in arrival order."""
+    if len(rows) == 0:
+        return []
+    rank = earlier_occurrences(torch.from_numpy(rows)).numpy()  # [N] the event's round
+    by_round = np.argsort(rank, kind="stable")  # round 0 first, arrival order within a round
+    return np.split(by_round, np.searchsorted(rank[by_round], np.arange(1, rank.max() + 1)))

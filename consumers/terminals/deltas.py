@@ -1,0 +1,52 @@
+"""Delta records: one scored batch's terminal event counts, for every other instance and the table writer.
+
+A scorer writes one per batch that featurized events, to `terminal-deltas` in the batch's transaction, keyed
+by its SESSION: the instance and how many times it has restored its terminal state. Its own session's deltas
+are already in its state (it folded those events as it scored them), so it skips them when it reads the
+topic; every other record, its own older sessions' included, it folds in. A restore starts a new session.
+The table writer folds them all (consumers/terminals/table.py has the whole flow).
+
+Value: the table's header (magic TXD1, state and feature versions), then JSON [terminal ids, epoch days],
+one entry per event, in the order they were folded (the order does not matter: the fold is order-free).
+"""
+
+import json
+
+import numpy as np
+
+from consumers.scoring.messages import MessageError
+from consumers.terminals.table import HEADER_SIZE, check_header, pack_header
+from pipeline.features.stream import TerminalOp
+
+_MAGIC = b"TXD1"
+_EVENTS = "events"
+
+
+def encode_deltas(ops: list[TerminalOp]) -> bytes | None:
+    """The events ops of a batch's terminal journal as one delta value; None when it counted no event.
+    Report ops (labels) are left out: every instance reads the labels itself."""
+    terminals: list[str] = []
+    days: list[int] = []
+    for op in ops:
+        if op.kind == _EVENTS:
+            terminals += op.terminals
+            days += op.days.tolist()
+    if not terminals:
+        return None
+    return pack_header(_MAGIC) + json.dumps([terminals, days], separators=(",", ":")).encode()
+
+
+def decode_deltas(where: str, data: bytes) -> TerminalOp:
+    """One delta value as an events op. A value that is not one: MessageError naming `where` (its readers
+    skip it, the table writer dead-letters it); one of another version: ValueError saying what to do."""
+    check_header(f"terminal delta record at {where}", data, _MAGIC, "terminal_deltas_topic")
+    try:
+        terminals, days = json.loads(data[HEADER_SIZE:])
+        op = TerminalOp(_EVENTS, [str(t) for t in terminals], np.asarray(days, dtype=np.int64))
+    except (ValueError, TypeError) as error:
+        raise MessageError(f"terminal delta record at {where} does not decode: {error}") from None
+    if op.days.shape != (len(op.terminals),):
+        raise MessageError(
+            f"terminal delta record at {where} has {len(op.terminals)} terminals, {op.days.shape} days"
+        )
+    return op

@@ -1,0 +1,166 @@
+"""What terminal state is folded from, read by one consumer: `labels` and `terminal-deltas`, all partitions.
+
+No consumer group: every scorer and the table writer read every partition of both, from the positions the
+terminal table records (consumers/terminals/table.py), and `seek` puts a reader back there on start and after
+an aborted batch. read_committed: an aborted batch's deltas never count.
+
+Two ways to read (FeedReader.read):
+- `to_high_watermark`: both topics up to their high watermarks, waiting out open transactions, as restores
+  do (consumers/runtime/compacted.py says why the high watermark);
+- otherwise one poll: whatever has arrived. The scorers read this way every `terminal_feed_interval_ms`, so
+  a label or another instance's batch counts for the events scored after it arrives: there is no global
+  order to keep between a label, or another instance's events, and this instance's events.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from kafka import KafkaConsumer
+from kafka.structs import TopicPartition
+
+from consumers.runtime.compacted import Reader, group_less_consumer
+from consumers.scoring.messages import Label, MessageError, decode_label
+from consumers.terminals.deltas import decode_deltas
+from consumers.terminals.table import Positions, read_table
+from pipeline.features.stream import LabelBatch, StreamingFeaturizer, TerminalOp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FeedRead:
+    labels: list[Label] = field(default_factory=list)
+    # (record, why) of labels and deltas that do not decode: skipped; the table writer dead-letters them
+    bad: list[tuple[object, MessageError]] = field(default_factory=list)
+    deltas: list[TerminalOp] = field(default_factory=list)  # of other sessions, to fold in
+
+    def fold_into(self, featurizer: StreamingFeaturizer) -> None:
+        """Apply the deltas and the labels to the featurizer's terminal state (the fold is order-free)."""
+        featurizer.apply_terminal_ops(self.deltas)
+        if self.labels:
+            featurizer.observe_labels(label_batch(self.labels))
+
+
+class FeedReader:
+    def __init__(
+        self, consumer: KafkaConsumer, offsets: Reader, labels_topic: str, deltas_topic: str, timeout_s: float
+    ):
+        """`consumer`: read_committed, no group, fetches the topics. `offsets`: consumers only asked how far
+        partitions go, never fetching between reads: the broker answers a connection's requests in order,
+        and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets request would wait too."""
+        self.consumer, self.offsets, self.timeout_s = consumer, offsets, timeout_s
+        self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
+        self.label_tps = self._partitions(labels_topic)
+        self.delta_tps = self._partitions(deltas_topic)
+        consumer.assign(self.label_tps + self.delta_tps)
+
+    @classmethod
+    def connect(
+        cls, bootstrap: str, client_id: str, offsets: Reader, labels_topic: str, deltas_topic: str,
+        timeout_s: float, **settings,
+    ) -> "FeedReader":  # fmt: skip
+        """A reader with a consumer of its own (closed by close())."""
+        consumer = group_less_consumer(bootstrap, client_id, **settings)
+        return cls(consumer, offsets, labels_topic, deltas_topic, timeout_s)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+    def start_from_table(self, featurizer: StreamingFeaturizer, reader: Reader, table_topic: str) -> None:
+        """Replace the featurizer's terminal state with the table's (consumers/terminal_table.read_table) and
+        go to the positions it reflects. What comes after them is still to be read."""
+        featurizer.terminals, positions = read_table(
+            reader, table_topic, self.labels_topic, self.deltas_topic, self.timeout_s
+        )
+        self.seek(positions)
+
+    def _partitions(self, topic: str) -> list[TopicPartition]:
+        partitions = self.consumer.partitions_for_topic(topic)
+        if not partitions:
+            raise ValueError(f"topic {topic!r} has no partitions (does it exist?)")
+        return [TopicPartition(topic, p) for p in sorted(partitions)]
+
+    def seek(self, positions: Positions) -> None:
+        """Go to `positions`; a partition without one starts from its beginning."""
+        for tps, offsets in ((self.label_tps, positions.labels), (self.delta_tps, positions.deltas)):
+            missing = [tp for tp in tps if tp.partition not in offsets]
+            if missing:
+                self.consumer.seek_to_beginning(*missing)
+            for tp in tps:
+                if tp.partition in offsets:
+                    self.consumer.seek(tp, offsets[tp.partition])
+
+    def positions(self) -> Positions:
+        return Positions(
+            labels={tp.partition: self.consumer.position(tp) for tp in self.label_tps},
+            deltas={tp.partition: self.consumer.position(tp) for tp in self.delta_tps},
+        )
+
+    def read(
+        self,
+        session: bytes | None = None,
+        to_high_watermark: bool = False,
+        timeout_s: float | None = None,
+    ) -> FeedRead:
+        """Labels (bad ones apart) and the deltas of sessions other than `session`, in partition then
+        offset order per poll (module docstring: how far it reads). TimeoutError when reading to the high
+        watermarks takes over `timeout_s` (default: the reader's)."""
+        started = time.monotonic()
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        end = (
+            self.offsets.watermarks.end_offsets(self.label_tps + self.delta_tps) if to_high_watermark else {}
+        )
+        out = FeedRead()
+        self._take(self.consumer.poll(timeout_ms=0), session, out)  # what has arrived
+        while any(self.consumer.position(tp) < offset for tp, offset in end.items()):
+            if time.monotonic() - started > timeout_s:
+                left = {
+                    f"{tp.topic}[{tp.partition}]": o - self.consumer.position(tp) for tp, o in end.items()
+                }
+                raise TimeoutError(
+                    f"reading labels and terminal deltas took over {timeout_s} s with {left} records left; "
+                    "a transaction still open there holds the read (the broker aborts a crashed producer's "
+                    "after its transaction_timeout_ms); raise restore_timeout_s or check the broker"
+                )
+            self._take(self.consumer.poll(timeout_ms=100), session, out)
+        return out
+
+    def _take(self, batch: dict, session: bytes | None, out: FeedRead) -> None:
+        for tp in sorted(batch, key=lambda tp: (tp.topic, tp.partition)):
+            if tp.topic == self.labels_topic:
+                self._labels(batch[tp], out)
+            else:
+                self._deltas(batch[tp], session, out)
+
+    @staticmethod
+    def _labels(records, out: FeedRead) -> None:
+        for record in records:
+            try:
+                if record.value is None:
+                    raise MessageError("null value (a tombstone): expected a JSON label")
+                out.labels.append(decode_label(record.value))
+            except MessageError as error:
+                out.bad.append((record, error))
+
+    @staticmethod
+    def _deltas(records, session: bytes | None, out: FeedRead) -> None:
+        for record in records:
+            if session is not None and record.key == session:
+                continue  # this instance folded those events as it scored them
+            where = f"{record.topic}[{record.partition}]@{record.offset}"
+            try:
+                out.deltas.append(decode_deltas(where, record.value or b""))
+            except MessageError as error:  # its events are missing from the terminal counts from now on
+                log.warning("skipped a terminal delta record error=%s", error)
+                out.bad.append((record, error))
+
+
+def label_batch(labels: list[Label]) -> LabelBatch:
+    n = len(labels)
+    return LabelBatch(
+        terminal_ids=[label.terminal_id for label in labels],
+        label_ts_us=np.fromiter((label.label_ts_us for label in labels), dtype=np.int64, count=n),
+        is_fraud=np.fromiter((label.is_fraud for label in labels), dtype=bool, count=n),
+    )

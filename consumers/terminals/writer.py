@@ -1,0 +1,217 @@
+"""The terminal table's one writer: folds every terminal delta and every label into the compacted table.
+
+It runs on a thread of the service instance that owns partition 0 of `transactions` (the consumer group picks
+that instance, and moves the writer when it moves the partition), with its own Kafka clients; or, with
+`terminal_table_writer: external`, in a process of its own (`txsentinel terminal-writer`, run_writer below),
+which keeps its work off the scorers' interpreter. Its
+transactional id is the same for every instance of a deployment
+({transactional_id_prefix}-terminal-table-{group_id}),
+so a writer that starts fences any older one, and only then reads the table: a zombie can never commit over
+a table the new writer has read.
+
+A run: start the producer (init_transactions), read the table (consumers/terminal_table.read_table), seek
+the feed to its positions, then fold what arrives. Every `flush_s`, when something changed, ONE transaction
+writes the changed terminals, the labels and delta records that do not decode to `dead-letter` (the writer is
+the one reader that dead-letters them, so each goes there once however many instances read it), and the
+positions, last. The table is then
+exactly the fold of everything before its positions. A failed run (broker away, fenced) is logged and
+started again after a pause, from the table. On stop it drains what has arrived and flushes.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kafka import KafkaProducer
+from kafka.serializer import DefaultSerializer
+
+from consumers.runtime.compacted import Reader
+from consumers.runtime.metrics import Metrics, MetricsServer
+from consumers.runtime.settings import ServeConfig
+from consumers.runtime.signals import stop_on_signals
+from consumers.runtime.topics import ensure_topics
+from consumers.scoring.messages import dead_letter_value
+from consumers.terminals.feed import FeedRead, FeedReader
+from consumers.terminals.table import flush_records
+from pipeline.features.stream import StreamingFeaturizer
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 2.0  # a failed run is started again after this pause
+# Between reads of the feed (at most terminal_table_flush_s). A read that finds records costs a fetch round
+# trip and a wake-up of the writer's threads; every scored batch writes a delta, so reading as records
+# arrive would wake them once a batch, on the scorers' core when the writer is embedded.
+READ_EVERY_S = 1.0
+DRAIN_TIMEOUT_S = 10.0  # on stop; what is not drained by then stays in the topics for the next writer
+# A flush sends its records in chunks and, between chunks, pauses PAUSE_PER_BUSY times as long as the chunk
+# took: the writer then holds at most a quarter of the interpreter while it flushes. Each record costs ~30 us
+# of kafka-python's send, so thousands of terminals in one go would stall the scorer sharing the process
+# (p99 latency at 3,000 events/s: ~125 ms with unpaced flushes, ~90 ms with no writer in the process).
+FLUSH_CHUNK = 100
+PAUSE_PER_BUSY = 3.0
+
+
+@dataclass
+class WriterStats:
+    flushes: int = 0
+    terminals_written: int = 0
+    dead_lettered: int = 0  # labels and delta records that do not decode
+    failed_runs: int = 0
+
+
+class TerminalTableWriter:
+    def __init__(self, cfg: ServeConfig, bootstrap: str, metrics: Metrics):
+        self.cfg, self.bootstrap, self.metrics = cfg, bootstrap, metrics
+        # One per deployment (its group): writers of other deployments on the cluster never fence this one.
+        self.transactional_id = f"{cfg.transactional_id_prefix}-terminal-table-{cfg.group_id}"
+        self.stats = WriterStats()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        # A fresh event per start: a thread that outlived its stop() keeps its own, set, and ends when it can
+        # (should it overlap the new one, the new producer's init_transactions fences it).
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, args=(self._stop,), name="txs-terminal-writer", daemon=True
+        )
+        self._thread.start()
+        log.info("terminal table writer started transactional_id=%s", self.transactional_id)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Drain, flush and close; returns once the thread has ended (or `timeout_s` has passed)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("terminal table writer still running %.0f s after stop", timeout_s)
+        self._thread = None
+
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self._run(stop)
+            except Exception as error:
+                self.stats.failed_runs += 1
+                then = (
+                    "stopping" if stop.is_set() else f"starting again from the table in {RETRY_AFTER_S:.0f} s"
+                )
+                log.warning(
+                    "terminal table writer failed error=%r; %s (what it had not flushed is still in the "
+                    "deltas and labels after the table's positions)",
+                    error, then, exc_info=log.isEnabledFor(logging.DEBUG),
+                )  # fmt: skip
+                stop.wait(RETRY_AFTER_S)
+
+    def _run(self, stop: threading.Event) -> None:
+        cfg = self.cfg
+        security = cfg.kafka_security
+        producer = KafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            transactional_id=self.transactional_id,
+            transaction_timeout_ms=cfg.transaction_timeout_ms,
+            retry_backoff_ms=cfg.producer_retry_backoff_ms,
+            key_serializer=DefaultSerializer(),  # terminal ids (str) and dead letters' original keys (bytes)
+            **security,
+        )
+        reader = feed = None
+        try:
+            producer.init_transactions()  # fences an older writer before the table is read (module doc)
+            reader = Reader.connect(self.bootstrap, "txsentinel-terminal-writer", **security)
+            feed = FeedReader.connect(
+                self.bootstrap, "txsentinel-terminal-writer-feed", reader, cfg.topic("labels"),
+                cfg.topic("terminal_deltas"), cfg.restore_timeout_s, **security,
+            )  # fmt: skip
+            featurizer = StreamingFeaturizer()
+            feed.start_from_table(featurizer, reader, cfg.topic("terminal_table"))
+            flushed_at = feed.positions()
+            changed: set[str] = set()
+            bad: list = []
+            last_flush = time.monotonic()
+            stopping = stop.is_set()
+            while True:
+                # Stopping: everything committed so far, this instance's last batch included, then a flush.
+                got = feed.read(to_high_watermark=stopping, timeout_s=DRAIN_TIMEOUT_S)
+                self._fold(featurizer, got, changed)
+                bad += got.bad
+                if stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s:
+                    read_to = feed.positions()
+                    if changed or bad or read_to != flushed_at:
+                        self._flush(producer, featurizer, changed, bad, read_to, paced=not stopping)
+                        changed, bad, flushed_at = set(), [], read_to
+                    last_flush = time.monotonic()
+                if stopping:
+                    return
+                stopping = stop.wait(min(READ_EVERY_S, cfg.terminal_table_flush_s))
+        finally:
+            for name, close in (
+                ("producer", lambda: producer.close(timeout=5)),
+                ("reader", lambda: reader is not None and reader.close()),
+                ("feed", lambda: feed is not None and feed.close()),
+            ):
+                try:
+                    close()
+                except Exception as error:  # closing the rest matters more
+                    log.warning("terminal table writer: closing the %s failed error=%r", name, error)
+
+    @staticmethod
+    def _fold(featurizer: StreamingFeaturizer, got: FeedRead, changed: set[str]) -> None:
+        got.fold_into(featurizer)
+        for op in got.deltas:
+            changed.update(op.terminals)
+        changed.update(label.terminal_id for label in got.labels if label.is_fraud)
+
+    def _flush(
+        self, producer, featurizer, changed: set[str], bad: list, positions, paced: bool = True
+    ) -> None:
+        """ONE transaction: the dead letters, the changed terminals, the positions last. `paced`: in chunks
+        with pauses between them (FLUSH_CHUNK); a writer that is stopping flushes at once."""
+        cfg = self.cfg
+        table, dead_letter = cfg.topic("terminal_table"), cfg.topic("dead_letter")
+        records = [(dead_letter, record.key, dead_letter_value(record, error), None) for record, error in bad]
+        records += [
+            (table, key, value, 0)
+            for key, value in flush_records(
+                featurizer.terminals, changed, positions, cfg.topic("labels"), cfg.topic("terminal_deltas")
+            )
+        ]
+        producer.begin_transaction()
+        for start in range(0, len(records), FLUSH_CHUNK):
+            began = time.monotonic()
+            for topic, key, value, partition in records[start : start + FLUSH_CHUNK]:
+                producer.send(topic, key=key, value=value, partition=partition)
+            if paced and start + FLUSH_CHUNK < len(records):
+                time.sleep(PAUSE_PER_BUSY * (time.monotonic() - began))
+        producer.commit_transaction()
+        self.stats.flushes += 1
+        self.stats.terminals_written += len(changed)
+        self.stats.dead_lettered += len(bad)
+        self.metrics.inc("txsentinel_terminal_table_flushes_total")
+        self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
+        log.debug("terminal table flushed terminals=%d dead_letters=%d", len(changed), len(bad))
+
+
+def run_writer(cfg: ServeConfig, bootstrap: str, stop_event: threading.Event | None = None) -> WriterStats:
+    """`txsentinel terminal-writer`: the table writer in a process of its own, until `stop_event` is set or
+    SIGTERM/SIGINT arrives; it drains and flushes before returning. Creates missing topics like serve."""
+    stop = stop_event or threading.Event()
+    metrics = Metrics()
+    with stop_on_signals(stop):
+        ensure_topics(cfg, bootstrap)
+        server = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port) if cfg.metrics_port else None
+        writer = TerminalTableWriter(cfg, bootstrap, metrics)
+        writer.start()
+        try:
+            stop.wait()
+        finally:
+            writer.stop()
+            if server is not None:
+                server.close()
+    log.info("terminal writer stopped %s", writer.stats)
+    return writer.stats

@@ -1,0 +1,113 @@
+"""`txsentinel bench features`: batch and streaming featurizer throughput on one core, printed as a table."""
+
+import os
+import platform
+import time
+
+import numpy as np
+
+
+def pin_to_one_core() -> None:
+    """Run on one core: polars sizes its thread pool from the CPUs this process may use."""
+    if "polars" in __import__("sys").modules:
+        raise RuntimeError("pin_to_one_core must run before polars is imported")
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    os.environ["POLARS_MAX_THREADS"] = "1"
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'} core(s) used"
+
+
+def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, float]:
+    import polars as pl
+
+    from pipeline.data.generate import GenerateConfig, generate
+    from pipeline.features import StreamingFeaturizer, compute_features, replay_batches
+    from pipeline.features.state import ACCOUNT_STATE, TERMINAL_STATE
+
+    accounts = 5000
+    # ~1.9 events per account-day in the generator's default shape; a little extra, then cut to `events`.
+    days = max(30, int(events / (accounts * 1.8)) + 2)
+    frame = generate(GenerateConfig(accounts=accounts, days=days, seed=seed)).head(events)
+    print(
+        f"featurizing {frame.height:,} generated events ({accounts:,} accounts, {days} days) on {_machine()}"
+    )
+
+    compute_features(frame.head(10_000))  # warm-up: polars plans, numpy paths
+    started = time.perf_counter()
+    compute_features(frame)
+    batch_s = time.perf_counter() - started
+
+    batches = list(replay_batches(frame, batch_events))
+    featurizer = StreamingFeaturizer()
+    latencies = np.empty(len(batches))
+    started = time.perf_counter()
+    for i, (event_batch, labels) in enumerate(batches):
+        t = time.perf_counter()
+        featurizer.transform(event_batch, labels)
+        latencies[i] = time.perf_counter() - t
+    stream_s = time.perf_counter() - started
+
+    results = {
+        "batch_events_per_s": frame.height / batch_s,
+        "stream_events_per_s": frame.height / stream_s,
+        "stream_batch_p50_ms": float(np.percentile(latencies, 50) * 1e3),
+        "stream_batch_p99_ms": float(np.percentile(latencies, 99) * 1e3),
+    }
+    table = pl.DataFrame(
+        {
+            "measure": [
+                "batch features (polars + numba kernels), events/s",
+                f"streaming featurizer, micro-batches of {batch_events}, events/s",
+                "streaming micro-batch latency p50 / p99, ms",
+                "state per account / per terminal, bytes",
+            ],
+            "value": [
+                f"{results['batch_events_per_s']:,.0f}",
+                f"{results['stream_events_per_s']:,.0f}",
+                f"{results['stream_batch_p50_ms']:.2f} / {results['stream_batch_p99_ms']:.2f}",
+                f"{ACCOUNT_STATE.itemsize} / {TERMINAL_STATE.itemsize}",
+            ],
+            "target": [">= 1,000,000", ">= 100,000", "", ""],
+        }
+    )
+    with pl.Config(tbl_hide_dataframe_shape=True, tbl_width_chars=120, fmt_str_lengths=80):
+        print(table)
+    return results
+
+
+def run_replay_bench(events: int, models: list[str], batch_events: int, seed: int) -> dict[str, float]:
+    """Events/s of a history replayed through the live scorer (what `txsentinel backtest` runs), per
+    detector at its default size. The detectors are untrained: the cost does not depend on the weights."""
+    import torch
+
+    from consumers.scoring.scorer import Scorer
+    from models.registry import build_detector
+    from pipeline.data.generate import GenerateConfig, generate
+    from pipeline.features import compute_features, fit_feature_spec
+    from pipeline.registry.artifact import LoadedModel
+
+    torch.set_num_threads(1)
+    accounts = 5000
+    days = max(30, int(events / (accounts * 1.8)) + 2)
+    frame = generate(GenerateConfig(accounts=accounts, days=days, seed=seed)).head(events)
+    sample = compute_features(frame.head(200_000))
+    spec = fit_feature_spec(sample, sample["ts"].min(), sample["ts"].max())
+    print(f"replaying {frame.height:,} generated events in micro-batches of {batch_events} on {_machine()}")
+    results = {}
+    for name in models:
+        scorer = Scorer(LoadedModel(build_detector(name, {"num_features": spec.num_features}), spec, {}))
+        started = time.perf_counter()
+        scored = scorer.replay(frame, batch_events=batch_events)
+        seconds = time.perf_counter() - started
+        results[name] = scored.height / seconds
+        print(f"{name:20s} {seconds:7.1f} s  {results[name]:10,.0f} events/s", flush=True)
+    return results

@@ -1,0 +1,390 @@
+"""Ingest: a CSV, Parquet or NDJSON file, through a mapping (pipeline/data/mapping.py), into a dataset directory.
+
+Two lazy, streamed passes over the input:
+1. parse every mapped column and evaluate every check; collect only the canonical columns and one boolean
+   per check (CSV is read as text, so a bad value fails its row, not the whole read);
+2. only when some rows failed: read those rows again as the source's own text, to quote them in the messages
+   and to write them to quarantine.parquet.
+A clean file is therefore read once, and the source text of good rows is never held in memory.
+Source columns the mapping does not name are ignored.
+"""
+
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.data.dataset import QUARANTINE_FILE, write_dataset
+from pipeline.data.mapping import Mapping, MappingError, SourceError, load_mapping
+from pipeline.data.schema import TRANSACTION_SCHEMA
+
+ON_INVALID = ("fail", "quarantine")
+EXAMPLES_PER_PROBLEM = 3
+ID_COLUMNS = ("event_id", "account_id", "terminal_id")
+ROW = "__txs_row"  # 0-based data row, from the scan's row index
+DUP_OF = "__txs_dup_of"  # ROW of the first row with the same event_id
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    input: Path
+    mapping: Path
+    out: Path
+    on_invalid: str = "fail"  # fail: write nothing if any row is bad | quarantine: set bad rows aside
+    label_delay_days: float = 7.0  # label_ts = ts + this when the input has is_fraud but no label_ts
+
+    def __post_init__(self) -> None:
+        if self.on_invalid not in ON_INVALID:
+            raise ValueError(f"on_invalid must be one of {list(ON_INVALID)}, got {self.on_invalid!r}")
+        if not self.label_delay_days >= 0:
+            raise ValueError(f"label_delay_days must be >= 0, got {self.label_delay_days!r}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    title: str  # e.g. "negative amount"
+    column: str  # e.g. "TX_AMOUNT -> amount"
+    rows: int
+    examples: tuple[str, ...]  # the first rows, each naming file, row, column, value and what was expected
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    input: str
+    input_format: str
+    rows_read: int = 0
+    rows_written: int = 0
+    rows_quarantined: int = 0
+    rows_invalid: int = 0  # rows with at least one problem
+    problems: tuple[Problem, ...] = ()
+    out: str | None = None
+
+    def format(self) -> str:
+        head = f"{self.input} ({self.input_format}): {self.rows_read} rows read, {self.rows_written} written"
+        if self.rows_quarantined:
+            head += f", {self.rows_quarantined} quarantined in {Path(self.out or '.') / QUARANTINE_FILE}"
+        return "\n".join([head, *self.problem_lines()])
+
+    def problem_lines(self) -> list[str]:
+        lines = []
+        for p in self.problems:
+            lines.append(f"  {p.title} ({p.column}): {p.rows} row{'s' if p.rows != 1 else ''}")
+            lines += [f"    {example}" for example in p.examples]
+            if p.rows > len(p.examples) > 0:
+                lines.append(f"    ... and {p.rows - len(p.examples)} more")
+        return lines
+
+
+class IngestError(Exception):
+    """Input that cannot be ingested as asked; str() is the summary for a person, `report` the details."""
+
+    def __init__(self, message: str, report: IngestReport):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(frozen=True)
+class _Check:
+    flag: str  # boolean column: True where the row fails
+    title: str
+    canonical: str
+    source: str
+    failed: pl.Expr | None  # over raw and parsed columns in pass 1; None: computed on the collected frame
+    problem: pl.Expr  # over the raw text in pass 2: what is wrong and what was expected
+
+
+def ingest(cfg: IngestConfig) -> IngestReport:
+    """Read cfg.input through cfg.mapping and write a dataset to cfg.out; raise IngestError on bad input."""
+    src = _Input.open(Path(cfg.input), load_mapping(cfg.mapping))
+    checks = _checks(src)
+    frame = _flag_duplicates(src.read(lambda: _parse(src, checks, cfg.label_delay_days)), checks)  # pass 1
+    flags = [c.flag for c in checks]
+    bad = pl.any_horizontal(flags)
+    counts = frame.select(*(pl.col(f).sum() for f in flags), bad.sum().alias("__any")).row(0, named=True)
+    invalid = counts["__any"]
+
+    if invalid and cfg.on_invalid == "fail":
+        # Only the example rows are read back: nothing is written, so the others need no text.
+        rows = pl.concat([frame.filter(pl.col(f)).head(EXAMPLES_PER_PROBLEM)[ROW] for f in flags])
+        explained = _explain(src, checks, frame.filter(pl.col(ROW).is_in(rows.implode())))
+        report = IngestReport(
+            src.name,
+            src.format,
+            frame.height,
+            rows_invalid=invalid,
+            problems=_problems(src, checks, explained, counts),
+        )
+        raise IngestError(
+            f"{src.name}: {invalid} of {frame.height} rows are invalid, so nothing was written. Fix them, or "
+            "run with --on-invalid quarantine to write the valid rows and set the others aside in "
+            f"{Path(cfg.out) / QUARANTINE_FILE}.\n" + "\n".join(report.problem_lines()),
+            report,
+        )
+
+    good = frame.filter(~bad).select(c for c in frame.columns if c in TRANSACTION_SCHEMA)
+    quarantined, problems = None, ()
+    if cfg.on_invalid == "quarantine":
+        explained = _explain(src, checks, frame.filter(bad))
+        problems = _problems(src, checks, explained, counts)
+        quarantined = _quarantine_frame(src, explained)
+    report = IngestReport(
+        src.name, src.format, frame.height, good.height, invalid, invalid, problems, out=str(cfg.out)
+    )  # reaching here with invalid rows means on_invalid="quarantine": every one of them was set aside
+    write_dataset(good, cfg.out, _metadata_source(src, cfg, report))
+    quarantine_path = Path(cfg.out) / QUARANTINE_FILE
+    if quarantined is not None:
+        # Written even when empty, so a quarantine file from an earlier ingest never outlives its dataset.
+        quarantined.write_parquet(quarantine_path)
+    else:
+        quarantine_path.unlink(missing_ok=True)
+    return report
+
+
+@dataclass(frozen=True)
+class _Input:
+    path: Path
+    format: str
+    mapping: Mapping
+    schema: dict[str, pl.DataType]  # source column -> type (NDJSON keys: String)
+    present: dict[str, str]  # canonical -> source, for the columns this file fills
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    @property
+    def sources(self) -> list[str]:
+        return list(dict.fromkeys(self.present.values()))
+
+    @classmethod
+    def open(cls, path: Path, mapping: Mapping) -> "_Input":
+        fmt = mapping.input_format(path)
+        src = cls(path, fmt, mapping, {}, {})
+        schema = src.read(lambda: mapping.source_columns(path, fmt))
+        return cls(path, fmt, mapping, schema, _present_columns(src, schema))
+
+    def scan(self, sources: list[str]) -> pl.LazyFrame:
+        return self.mapping.scan(self.path, self.format, sources, ROW)
+
+    def read(self, read):
+        """Run `read`, turning errors of the file itself into an IngestError that names it."""
+        try:
+            return read()
+        except (FileNotFoundError, SourceError) as exc:
+            raise IngestError(f"{self.path}: {exc}", IngestReport(self.name, self.format)) from exc
+        # Ragged lines, bad encoding, broken JSON; errors in the plan built from the file are bugs, not caught.
+        except (pl.exceptions.ComputeError, pl.exceptions.NoDataError, OSError, UnicodeError) as exc:
+            message = f"{self.path}: cannot be read as {self.format}: {exc}"
+            if self.format == "csv" and "more fields" in str(exc):
+                message = f"{self.path}: {self.mapping.csv.ragged_line(self.path)}"
+            raise IngestError(message, IngestReport(self.name, self.format)) from exc
+
+    def line(self, row0: pl.Expr) -> pl.Expr:
+        # One line per record: a quoted field spanning lines shifts later records, by an amount polars hides.
+        return row0.cast(pl.Int64) + 1 + self.mapping.csv.skip_rows + int(self.mapping.csv.has_header)
+
+    def location(self, row0: pl.Expr) -> pl.Expr:
+        """'row R (line L)': R counts data rows from 1, L is the line of a CSV file."""
+        row = row0.cast(pl.Int64) + 1
+        if self.format != "csv":
+            return pl.format("row {}", row)
+        return pl.format("row {} (line {})", row, self.line(row0))
+
+
+def _present_columns(src: _Input, schema: dict[str, pl.DataType]) -> dict[str, str]:
+    mapping = src.mapping
+    missing = [(c, s) for c, s in mapping.columns.items() if s not in schema]
+    if missing:
+        examples = tuple(
+            f'{src.path} has no column "{s}", which {mapping.path} maps to canonical column {c}'
+            for c, s in missing
+        )
+        columns = ", ".join(f"{s} -> {c}" for c, s in missing)
+        report = IngestReport(
+            src.name, src.format, problems=(Problem("missing column", columns, len(missing), examples),)
+        )
+        shown = list(schema)[:30] + (["..."] if len(schema) > 30 else [])
+        raise IngestError("\n".join(examples) + f"\nthe file's columns are {shown}", report)
+    present = dict(mapping.columns) | {c: s for c, s in mapping.optional_columns.items() if s in schema}
+    report = IngestReport(src.name, src.format)
+    if "label_ts" in present and "is_fraud" not in present:
+        raise IngestError(
+            f"{src.path} has label_ts ({present['label_ts']}) but no is_fraud column for it", report
+        )
+    for c, s in present.items():
+        if schema[s].is_nested():
+            raise IngestError(f'{src.path}: column "{s}" -> {c} holds nested values ({schema[s]})', report)
+    return present
+
+
+def _raw(canonical: str) -> str:
+    return f"__raw_{canonical}"
+
+
+def _parse(src: _Input, checks: list[_Check], label_delay_days: float) -> pl.DataFrame:
+    """Pass 1: (N rows) ROW, the canonical columns, and one flag per check evaluated row by row."""
+    parsed = []
+    for c, s in src.present.items():
+        raw, dtype = pl.col(_raw(c)), src.schema[s]
+        if c in ("ts", "label_ts"):
+            try:
+                parsed.append(src.mapping.timestamp(c).parse(raw, dtype).alias(c))
+            except MappingError as exc:
+                message = f'{src.path}: column "{s}" -> {c} {exc} ({src.mapping.path})'
+                raise IngestError(message, IngestReport(src.name, src.format)) from exc
+        elif c == "is_fraud":
+            parsed.append(src.mapping.parse_label(raw, dtype).alias(c))
+        elif c == "amount":
+            text = raw.str.strip_chars() if dtype == pl.String else raw
+            parsed.append(text.cast(pl.Float64, strict=False).alias(c))
+        else:
+            parsed.append(raw.cast(pl.String).alias(c))
+    defaulted = []
+    if "is_fraud" in src.present and "label_ts" not in src.present:
+        defaulted.append((pl.col("ts") + timedelta(days=label_delay_days)).alias("label_ts"))
+    canonical = [c for c in TRANSACTION_SCHEMA if c in src.present or (c == "label_ts" and defaulted)]
+    row_checks = [c for c in checks if c.failed is not None]
+    return (
+        src.scan(src.sources)
+        .select(ROW, *(pl.col(s).alias(_raw(c)) for c, s in src.present.items()))
+        .with_columns(parsed)
+        .with_columns(defaulted)
+        .with_columns(c.failed.fill_null(False).alias(c.flag) for c in row_checks)
+        .select(ROW, *canonical, *(c.flag for c in row_checks))
+        .collect(engine="streaming")
+    )
+
+
+def _flag_duplicates(frame: pl.DataFrame, checks: list[_Check]) -> pl.DataFrame:
+    """Flag every row whose event_id an earlier row already has; DUP_OF is that earlier row."""
+    (duplicate,) = (c for c in checks if c.failed is None)
+    first = pl.col(ROW).min().over("event_id")
+    return frame.with_columns(
+        pl.when(~pl.col("__bad_event_id_empty") & (pl.col(ROW) != first)).then(first).alias(DUP_OF)
+    ).with_columns(pl.col(DUP_OF).is_not_null().alias(duplicate.flag))
+
+
+def _checks(src: _Input) -> list[_Check]:
+    checks = []
+
+    def add(canonical: str, key: str, title: str, failed: pl.Expr | None, problem: pl.Expr) -> None:
+        flag = f"__bad_{canonical}_{key}"
+        checks.append(_Check(flag, title, canonical, src.present[canonical], failed, problem))
+
+    def empty(canonical: str) -> pl.Expr:
+        raw = pl.col(_raw(canonical))
+        return raw.is_null() | (raw.cast(pl.String).str.strip_chars() == "")
+
+    def empty_or(canonical: str, expected: str, otherwise: str) -> pl.Expr:
+        empty_text = pl.lit(f"is empty; expected {expected}")
+        return pl.when(empty(canonical)).then(empty_text).otherwise(pl.lit(otherwise))
+
+    for c in ID_COLUMNS:
+        add(c, "empty", "empty id", empty(c), pl.lit("is empty; expected a non-empty id"))
+    for c in ("ts", "label_ts"):
+        if c in src.present:
+            expected = src.mapping.timestamp(c).expected()
+            problem = empty_or(c, expected, f"is not a timestamp; expected {expected}")
+            add(c, "unparsable", "unparsable timestamp", pl.col(c).is_null(), problem)
+    finite = "expected a finite amount >= 0"
+    amount = pl.col("amount")
+    problem = empty_or("amount", "a number", f"is not a number; {finite}")
+    add("amount", "not_number", "amount not a number", amount.is_null(), problem)
+    add("amount", "not_finite", "amount not finite", ~amount.is_finite(), pl.lit(f"is not finite; {finite}"))
+    negative = amount.is_finite() & (amount < 0)
+    add("amount", "negative", "negative amount", negative, pl.lit(f"is negative; {finite}"))
+    if "is_fraud" in src.present:
+        expected = src.mapping.expected_label()
+        problem = empty_or("is_fraud", expected, f"is not a fraud label; expected {expected}")
+        add("is_fraud", "invalid", "invalid fraud label", pl.col("is_fraud").is_null(), problem)
+    if "label_ts" in src.present:
+        problem = pl.format(
+            'is before ts "{}" (column {}); expected label_ts >= ts',
+            pl.col(_raw("ts")),
+            pl.lit(src.present["ts"]),
+        )
+        add("label_ts", "before_ts", "label_ts before ts", pl.col("label_ts") < pl.col("ts"), problem)
+    # Needs every row's event_id at once, so it is evaluated on the collected frame (failed=None).
+    problem = pl.format(
+        "repeats the event_id of {}; expected unique event ids (the first one is kept)",
+        src.location(pl.col(DUP_OF)),
+    )
+    add("event_id", "duplicate", "duplicate event_id", None, problem)
+    return checks
+
+
+def _explain(src: _Input, checks: list[_Check], bad: pl.DataFrame) -> pl.DataFrame:
+    """Pass 2: the `bad` rows with their source text, a message column per check, `__reason` joining them."""
+    if bad.is_empty():  # no need to read the file again
+        raw = pl.DataFrame(schema={ROW: bad.schema[ROW]} | dict.fromkeys(src.sources, pl.String))
+    else:
+        raw = src.read(
+            lambda: (
+                src.scan(src.sources)
+                .filter(pl.col(ROW).is_in(bad[ROW].implode()))
+                .select(ROW, *(pl.col(s).cast(pl.String) for s in src.sources))
+                .collect(engine="streaming")
+            )
+        )
+    explained = raw.join(bad.select(ROW, DUP_OF, *(c.flag for c in checks)), on=ROW).sort(ROW)
+    explained = explained.with_columns(pl.col(s).alias(_raw(c)) for c, s in src.present.items())
+    messages = []
+    for c in checks:
+        text = pl.col(_raw(c.canonical)).fill_null("")
+        # Long garbage would bury the message; 80 characters identify the value well enough.
+        shown = pl.when(text.str.len_chars() > 80).then(text.str.slice(0, 77) + "...").otherwise(text)
+        message = pl.format(
+            'column {} -> {}: value "{}" {}', pl.lit(c.source), pl.lit(c.canonical), shown, c.problem
+        )
+        messages.append(pl.when(pl.col(c.flag)).then(message).alias(f"__msg{c.flag}"))
+    reason = pl.concat_str([f"__msg{c.flag}" for c in checks], separator=" | ", ignore_nulls=True)
+    return explained.with_columns(messages).with_columns(reason.alias("__reason"))
+
+
+def _problems(
+    src: _Input, checks: list[_Check], explained: pl.DataFrame, counts: dict
+) -> tuple[Problem, ...]:
+    located = explained.with_columns(src.location(pl.col(ROW)).alias("__where"))
+    problems = []
+    for c in checks:
+        if counts[c.flag]:
+            first = located.filter(pl.col(c.flag)).head(EXAMPLES_PER_PROBLEM)
+            where, message = first["__where"], first[f"__msg{c.flag}"]
+            examples = tuple(f"{src.path} {w}, {m}" for w, m in zip(where, message, strict=True))
+            problems.append(Problem(c.title, f"{c.source} -> {c.canonical}", counts[c.flag], examples))
+    return tuple(problems)
+
+
+def _quarantine_frame(src: _Input, explained: pl.DataFrame) -> pl.DataFrame:
+    """row, line (CSV), the mapped source columns as text, and the reason naming every problem of the row."""
+    columns = [(pl.col(ROW).cast(pl.Int64) + 1).alias("row")]
+    if src.format == "csv":
+        columns.append(src.line(pl.col(ROW)).alias("line"))
+    for s in src.sources:
+        # Keep our own column names unambiguous if the source happens to use them.
+        columns.append(pl.col(s).alias(f"source_{s}" if s in ("row", "line", "reason") else s))
+    return explained.select(*columns, pl.col("__reason").alias("reason"))
+
+
+def _metadata_source(src: _Input, cfg: IngestConfig, report: IngestReport) -> dict:
+    if "label_ts" in src.present:
+        label_ts = f"input column {src.present['label_ts']}"
+    else:
+        label_ts = f"ts + {cfg.label_delay_days} days" if "is_fraud" in src.present else None
+    return {
+        "kind": "ingest",
+        "input": str(src.path.resolve()),
+        "format": src.format,
+        "mapping": str(Path(cfg.mapping).resolve()),
+        "columns": src.present,
+        "label_ts": label_ts,
+        "on_invalid": cfg.on_invalid,
+        "rows_read": report.rows_read,
+        "rows_written": report.rows_written,
+        "rows_quarantined": report.rows_quarantined,
+        "problems": {f"{p.title} ({p.column})": p.rows for p in report.problems},
+    }
+
+
+__all__ = ["IngestConfig", "IngestError", "IngestReport", "Problem", "ingest", "load_mapping"]

@@ -1,0 +1,157 @@
+"""What the generator builds on: its settings and the world they make, accounts and terminals on the grid.
+
+`pipeline.data.generate` draws the events of this world; `pipeline.data.scenarios` the frauds in them.
+Shape letters: A accounts, M terminals.
+"""
+
+from dataclasses import dataclass, fields
+from datetime import UTC, date, datetime
+
+import numpy as np
+
+GRID_SIZE = 100.0  # accounts and terminals live on a GRID_SIZE x GRID_SIZE square
+DAY_SECONDS = 86_400
+US_PER_SECOND = 1_000_000
+DAY_US = DAY_SECONDS * US_PER_SECOND
+
+# Scenario rates in GenerateConfig are per day for the Handbook's 5000 customers and 10000 terminals.
+REFERENCE_ACCOUNTS = 5000
+REFERENCE_TERMINALS = 10000
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    accounts: int = 5000
+    days: int = 180
+    seed: int = 0
+    start_date: date = date(2026, 1, 1)  # day 0, from its UTC midnight
+    terminals: int | None = None  # None: 2 x accounts, the Handbook's ratio (5000 customers, 10000 terminals)
+    radius: float = 5.0  # grid units; an account uses the terminals this close to its home
+
+    # Handbook scenarios 1-3. Rates per day are for 5000 accounts / 10000 terminals, scaled linearly to the
+    # actual sizes and drawn as Poisson counts per day, so small datasets still get some fraud.
+    high_amount_threshold: float = 220.0
+    compromised_terminals_per_day: float = 2.0
+    compromised_terminal_days: int = 28
+    compromised_accounts_per_day: float = 3.0
+    compromised_account_days: int = 14
+    compromised_account_fraud_fraction: float = 1 / 3
+    compromised_account_amount_factor: float = 5.0
+
+    # Account takeover: injected events far from home, amounts x U(min, max) the usual, and
+    # factor x max(usual rate, 1) extra events per day, for U{days_min..days_max} days.
+    takeover_accounts_per_day: float = 0.5
+    takeover_days_min: int = 3
+    takeover_days_max: int = 10
+    takeover_amount_factor_min: float = 3.0
+    takeover_amount_factor_max: float = 6.0
+    takeover_tx_per_day_factor: float = 2.0
+
+    # Card testing: probes of tiny amounts seconds apart at one unusual terminal, then large cash-outs.
+    card_testing_accounts_per_day: float = 1.0
+    card_testing_probes_min: int = 3
+    card_testing_probes_max: int = 8
+    card_testing_probe_amount_min: float = 0.5
+    card_testing_probe_amount_max: float = 3.0
+    card_testing_probe_gap_seconds_max: float = 120.0
+    card_testing_cashouts_min: int = 1
+    card_testing_cashouts_max: int = 3
+    card_testing_cashout_amount_min: float = 100.0
+    card_testing_cashout_amount_max: float = 800.0
+    card_testing_cashout_delay_hours_max: float = 6.0
+    unusual_terminal_distance_min: float = 25.0  # grid units from home, for takeover and card testing
+
+    # Legit drift: a fraction of accounts whose mean amount grows linearly to U(min, max) x by the last day,
+    # and/or whose home moves in a straight line at up to this speed, in steps of whole weeks (so each step
+    # has one fixed set of terminals in reach, like a home).
+    drift_account_fraction: float = 0.10
+    drift_amount_factor_min: float = 1.5
+    drift_amount_factor_max: float = 2.5
+    drift_home_units_per_day_max: float = 0.15
+    drift_home_step_days: int = 7
+
+    # Labels: fraud is known after hours_min + Gamma(shape, mean / shape) days, at most days_max in all;
+    # legit is known when the chargeback window closes without one.
+    label_delay_hours_min: float = 1.0
+    label_delay_days_mean: float = 3.5
+    label_delay_gamma_shape: float = 2.0
+    label_delay_days_max: float = 30.0
+    legit_label_delay_days: float = 7.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("accounts", "days", "compromised_terminal_days", "compromised_account_days"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)!r}, expected an integer >= 1")
+        if self.terminals is not None and self.terminals < 1:
+            problems.append(f"terminals={self.terminals!r}, expected an integer >= 1 or None (2 x accounts)")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not (np.isfinite(value) and value >= 0):
+                problems.append(f"{f.name}={value!r}, expected a finite number >= 0")
+        for lo, hi in _RANGES:
+            if getattr(self, lo) > getattr(self, hi):
+                problems.append(f"{lo}={getattr(self, lo)!r} > {hi}={getattr(self, hi)!r}")
+        for name in ("drift_account_fraction", "compromised_account_fraud_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                problems.append(f"{name}={getattr(self, name)!r}, expected a fraction in [0, 1]")
+        if self.radius <= 0 or self.drift_home_step_days < 1 or self.takeover_days_min < 1:
+            problems.append("radius, drift_home_step_days and takeover_days_min must be > 0")
+        if self.card_testing_probes_min < 1 or self.card_testing_cashouts_min < 0:
+            problems.append("card testing needs at least one probe (probes_min >= 1, cashouts_min >= 0)")
+        if problems:
+            raise ValueError("invalid GenerateConfig: " + "; ".join(problems))
+
+    @property
+    def n_terminals(self) -> int:
+        return self.terminals if self.terminals is not None else 2 * self.accounts
+
+    @property
+    def account_scale(self) -> float:
+        return self.accounts / REFERENCE_ACCOUNTS
+
+    @property
+    def terminal_scale(self) -> float:
+        return self.n_terminals / REFERENCE_TERMINALS
+
+    @property
+    def start_us(self) -> int:
+        midnight = datetime(self.start_date.year, self.start_date.month, self.start_date.day, tzinfo=UTC)
+        return int(midnight.timestamp()) * US_PER_SECOND
+
+
+_RANGES = [
+    (f"{p}_min", f"{p}_max")
+    for p in (
+        "takeover_days",
+        "takeover_amount_factor",
+        "card_testing_probes",
+        "card_testing_probe_amount",
+        "card_testing_cashouts",
+        "card_testing_cashout_amount",
+        "drift_amount_factor",
+    )
+]
+
+
+@dataclass(frozen=True)
+class World:
+    """Who transacts where and how: the fixed profiles behind the events."""
+
+    account_xy: np.ndarray  # (A, 2) home on day 0
+    terminal_xy: np.ndarray  # (M, 2)
+    mean_amount: np.ndarray  # (A,) on day 0; the std is always mean / 2
+    tx_per_day: np.ndarray  # (A,) Poisson rate
+    drift: np.ndarray  # (A,) bool
+    drift_amount_per_day: np.ndarray  # (A,) growth of the mean per day, as a fraction of the day-0 mean
+    drift_home_per_day: np.ndarray  # (A, 2) grid units per day
+    home_step_days: int
+
+    def home_xy(self, acc: np.ndarray, day: np.ndarray) -> np.ndarray:
+        """(N, 2) home of account acc[i] on day[i]; a moving home jumps in whole steps, kept on the grid."""
+        moved_days = (np.asarray(day) // self.home_step_days) * self.home_step_days
+        xy = self.account_xy[acc] + self.drift_home_per_day[acc] * moved_days[:, None]
+        return np.clip(xy, 0.0, GRID_SIZE)
+
+    def mean_amount_at(self, acc: np.ndarray, day: np.ndarray) -> np.ndarray:
+        return self.mean_amount[acc] * (1.0 + self.drift_amount_per_day[acc] * day)

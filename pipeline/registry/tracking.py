@@ -1,0 +1,145 @@
+"""MLflow: where runs go, how a trained detector becomes a registered model, and aliases.
+
+Default tracking store: SQLite `mlflow.db` in the working directory (browse it with
+`mlflow ui --backend-store-uri sqlite:///mlflow.db`); MLFLOW_TRACKING_URI points anywhere else.
+"""
+
+import os
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipeline.registry.artifact import MODEL_DIR_ARTIFACT, LoadedModel, load_model_dir
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def configure_tracking() -> str:
+    # Usage telemetry would try to reach the internet from training machines and CI; keep it off.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # One progress bar per downloaded artifact drowns the tables the commands print.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    uri = os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+def _find_model_dir(root: Path) -> Path:
+    candidates = [p.parent for p in root.rglob("detector.json")]
+    if not candidates:
+        raise FileNotFoundError(f"{root} holds no txsentinel model (no detector.json inside)")
+    return min(candidates, key=lambda p: len(p.parts))
+
+
+def load_model(uri: str) -> LoadedModel:
+    """A detector and its feature spec from `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `runs:/RUN/model`
+    or a local directory."""
+    local = Path(uri)
+    if local.exists():
+        return load_model_dir(_find_model_dir(local), source=uri)
+    if not uri.startswith(("models:/", "runs:/")):
+        raise FileNotFoundError(f"model {uri!r}: not a local directory, nor a models:/ or runs:/ URI")
+    configure_tracking()
+    downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
+    return load_model_dir(_find_model_dir(downloaded), source=uri)
+
+
+class _ScoringModel(mlflow.pyfunc.PythonModel):
+    """pyfunc face of the artifact: feature rows of one account's events in order -> scores."""
+
+    def load_context(self, context):
+        self.model = load_model_dir(Path(context.artifacts[MODEL_DIR_ARTIFACT]))
+
+    # The np.ndarray hints tell MLflow the rows are a plain array (no schema to infer from them), which also
+    # keeps it from warning, on every import, that predict has no type hints.
+    def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:
+        x = torch.as_tensor(np.asarray(model_input, dtype=np.float32))[None]  # [1, T, F + 1]
+        with torch.inference_mode():
+            scores, _ = self.model.detector(x)
+        return torch.sigmoid(scores[0]).numpy()
+
+
+def pinned_requirements(*packages: str) -> list[str]:
+    """This environment's versions of `packages`, so MLflow need not infer them (inference imports the
+    model in a subprocess and costs tens of seconds per run)."""
+    import importlib.metadata
+
+    return [f"{name}=={importlib.metadata.version(name)}" for name in packages]
+
+
+SERVING_REQUIREMENTS = ("torch", "mlflow", "numpy", "polars", "pyyaml")
+
+
+def log_and_register(model_dir: Path, registered_name: str) -> tuple[str, int]:
+    """Log the artifact directory as this run's MLflow model and register it; returns (model URI, version)."""
+    info = mlflow.pyfunc.log_model(
+        name="model",
+        python_model=_ScoringModel(),
+        artifacts={MODEL_DIR_ARTIFACT: str(model_dir)},
+        registered_model_name=registered_name,
+        pip_requirements=pinned_requirements(*SERVING_REQUIREMENTS),
+    )
+    version = info.registered_model_version
+    return info.model_uri, int(version) if version is not None else -1
+
+
+PROMOTION_METRICS = (
+    ("val/threshold", "alert threshold"),
+    ("val/alerts_per_day", "alerts/day on validation"),
+    ("val/precision_at_threshold", "precision at the threshold (validation)"),
+    ("test/ap", "test AP"),
+    ("test/cp_at_100", "test CP@100"),
+    ("test/auc", "test AUC"),
+)
+
+
+def promotion_table(client: MlflowClient, registered_name: str, alias: str, version: int) -> str:
+    """What moving `alias` to `version` changes: the candidate's logged figures beside the current holder's."""
+    candidate = client.get_model_version(registered_name, str(version))
+    try:
+        current = client.get_model_version_by_alias(registered_name, alias)
+    except mlflow.exceptions.MlflowException:
+        current = None
+    columns = [("candidate", candidate)] + ([("current " + alias, current)] if current else [])
+    runs = {label: client.get_run(v.run_id) for label, v in columns}
+    lines = [f"{'':42s}" + "".join(f"{label:>20s}" for label, _ in columns)]
+    lines.append(f"{'version':42s}" + "".join(f"{'v' + str(v.version):>20s}" for _, v in columns))
+    lines.append(
+        f"{'detector':42s}"
+        + "".join(f"{runs[label].data.tags.get('detector', '?'):>20s}" for label, _ in columns)
+    )
+    for key, title in PROMOTION_METRICS:
+        cells = []
+        for label, _ in columns:
+            value = runs[label].data.metrics.get(key)
+            cells.append(f"{'-' if value is None else f'{value:.4f}':>20s}")
+        lines.append(f"{title:42s}" + "".join(cells))
+    if current is None:
+        lines.append(f"(no version holds @{alias} yet)")
+    return "\n".join(lines)
+
+
+def promote(alias: str, registered_name: str, run_id: str | None = None, version: int | None = None) -> int:
+    """Point `alias` at a model version (given, or the one a run registered), after printing what changes;
+    returns the version."""
+    if (run_id is None) == (version is None):
+        raise ValueError("promote: give exactly one of --run RUN_ID or --version N")
+    configure_tracking()
+    client = MlflowClient()
+    if run_id is not None:
+        versions = client.search_model_versions(f"name='{registered_name}' and run_id='{run_id}'")
+        if not versions:
+            raise ValueError(f"run {run_id} registered no version of model {registered_name!r}")
+        version = max(int(v.version) for v in versions)
+    print(promotion_table(client, registered_name, alias, int(version)))
+    client.set_registered_model_alias(registered_name, alias, str(version))
+    return int(version)
+
+
+def log_params(params: dict[str, Any]) -> None:
+    # MLflow caps a param value's length; configs are short, but a long period list must not fail the run.
+    mlflow.log_params({k: str(v)[:500] for k, v in params.items()})

@@ -1,0 +1,153 @@
+"""What a training run needs to know, as one frozen dataclass; YAML files and `--set` overrides fill it.
+
+Precedence: dataclass defaults < `--config FILE` (YAML) < `--set key=value` (dotted keys reach into
+`model_config`, e.g. `--set model_config.d_model=32`). The detector's own config travels with its weights;
+this file is about the run.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.data.splits import DAY, Period, Split
+
+SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: Path
+    model: str = "linear_transformer"
+    model_config: dict[str, Any] = field(default_factory=dict)  # overrides of the detector's config
+
+    # Periods: explicit, or the last `test_days` of the data for test, `delay_days` before it unused, and
+    # (up to `train_days` of) everything before that for training, its last `validation_days` for validation.
+    train_period: Period | None = None
+    test_period: Period | None = None
+    delay_days: int = 7
+    test_days: int = 14
+    train_days: int | None = None
+    validation_days: int = 7
+
+    # Truncated back-propagation through time: accounts are cut in chunks of this many events, the state
+    # carried (detached) from one chunk to the next.
+    chunk_events: int = 64
+    batch_accounts: int = 64
+    max_epochs: int = 8
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 30
+    gradient_clip: float = 1.0
+    pos_weight: float | None = None  # None: sqrt(legit / fraud) over the training targets
+    early_stopping_patience: int = 3
+
+    accelerator: str = "cpu"
+    devices: int = 1
+    precision: str | None = None  # None: bf16-mixed on GPU, 32-true on CPU
+    num_workers: int = 0
+    seed: int = 0
+
+    cp_k: int = 100
+    alert_budget_per_day: float = 50.0  # the alert threshold is chosen to raise this many alerts a day
+    experiment: str = "txsentinel"
+    registered_model: str = "txsentinel"
+    out_dir: Path = Path("runs/train")
+    progress_bar: bool = True
+
+    def __post_init__(self):
+        for name in ("chunk_events", "batch_accounts", "max_epochs", "test_days", "validation_days", "cp_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"train config: {name} = {value!r}, expected an integer >= 1")
+        if self.learning_rate <= 0:
+            raise ValueError(f"train config: learning_rate = {self.learning_rate!r}, expected > 0")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in ("data", "out_dir"):
+        return Path(value)
+    if name in ("train_period", "test_period") and isinstance(value, str):
+        return Period.parse(value)
+    return value
+
+
+def _set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
+    head, _, rest = key.partition(".")
+    if rest:
+        if head != "model_config":
+            raise ValueError(f"--set {key}: only model_config.<field> takes a dotted key")
+        values.setdefault("model_config", {})
+        values["model_config"] = {**values["model_config"], rest: value}
+    else:
+        values[head] = value
+
+
+def load_train_config(
+    data: Path, config_file: Path | None = None, overrides: list[str] = (), **explicit: Any
+) -> TrainConfig:
+    """Defaults < YAML file < explicit keyword arguments (CLI flags) < `key=value` overrides."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(
+                f"{config_file}: expected a mapping of train settings, got {type(loaded).__name__}"
+            )
+        values.update(loaded)
+    values.update({k: v for k, v in explicit.items() if v is not None})
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected key=value, e.g. --set max_epochs=3")
+        _set_dotted(values, key.strip(), yaml.safe_load(text))
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        where = f" in {config_file}" if config_file else ""
+        raise ValueError(f"unknown train setting(s) {unknown}{where}; known: {sorted(known)}")
+    values["data"] = data
+    return TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def flatten(cfg: TrainConfig, detector_config: dict[str, Any] | None = None) -> dict[str, str]:
+    """MLflow params: every setting as a string, the detector's config under `model.`."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.name == "model_config":
+            continue
+        out[f.name] = str(getattr(cfg, f.name))
+    for key, value in (detector_config or cfg.model_config).items():
+        out[f"model.{key}"] = str(value)
+    return out
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_id: str
+    model: str
+    model_uri: str
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_split(cfg: TrainConfig, days: Period) -> tuple[Split, Period]:
+    """(train / delay / test split, validation period = the last validation_days of training)."""
+    if cfg.test_period is not None and cfg.train_period is not None:
+        split = Split.from_periods(cfg.train_period, cfg.test_period)
+    else:
+        test = cfg.test_period or Period(days.end - cfg.test_days * DAY, days.end)
+        train_end = test.start - cfg.delay_days * DAY
+        train_start = (
+            days.start if cfg.train_days is None else max(days.start, train_end - cfg.train_days * DAY)
+        )
+        split = Split.from_periods(cfg.train_period or Period(train_start, train_end), test)
+    if split.train.days <= cfg.validation_days:
+        raise ValueError(
+            f"training period {split.train} has {split.train.days} days, not more than validation_days = "
+            f"{cfg.validation_days}; give more data, a longer --train-period, or --set validation_days=N"
+        )
+    validation = Period(split.train.end - cfg.validation_days * DAY, split.train.end)
+    return split, validation

@@ -1,0 +1,113 @@
+"""The LightningModule around any detector: loss, metrics, optimiser, and the state carried across chunks.
+
+The detector (models/) knows nothing of this; one shared `_run` serves train, validation and test.
+"""
+
+import math
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from models.contract import RecurrentDetector, State, detach_state
+from pipeline.evaluation.metrics import event_metrics
+
+
+class DetectorModule(pl.LightningModule):
+    def __init__(
+        self,
+        detector: RecurrentDetector,
+        learning_rate: float,
+        weight_decay: float,
+        warmup_steps: int,
+        pos_weight: float,
+        num_events: dict[str, int],
+    ):
+        super().__init__()
+        self.detector = detector
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.warmup_steps = warmup_steps
+        self.register_buffer("pos_weight", torch.tensor(float(pos_weight)), persistent=False)
+        self.num_events = num_events  # rows of each stage's sequences, to collect scores by event index
+        self._carry: State | None = None
+        self.scores: dict[str, np.ndarray] = {}
+        # The training run logs its own params; Lightning logging them again would clash in MLflow.
+        self.save_hyperparameters(ignore=["detector", "num_events"], logger=False)
+
+    # -- one shared step ---------------------------------------------------------------------------------
+    def _run(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Scores [B, T] of a chunk, continuing from the previous chunk's state unless this is a first chunk."""
+        state = None if bool(batch["first_chunk"]) or self._carry is None else detach_state(self._carry)
+        scores, final_state = self.detector(batch["x"], state, batch["lengths"])
+        self._carry = final_state
+        mask = batch["mask"]
+        if not bool(mask.any()):
+            return scores, scores.sum() * 0.0  # keeps the graph (and DDP) happy on a chunk with no targets
+        loss = F.binary_cross_entropy_with_logits(
+            scores[mask].float(), batch["y"][mask], pos_weight=self.pos_weight
+        )
+        return scores, loss
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        _, loss = self._run(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=int(batch["mask"].sum()))
+        return loss
+
+    def _collect(self, stage: str, batch: dict[str, Tensor]) -> None:
+        scores, loss = self._run(batch)
+        rows = batch["rows"]
+        counted = rows >= 0
+        self.scores[stage][rows[counted].cpu().numpy()] = scores[counted].float().cpu().numpy()
+        self.log(f"{stage}/loss", loss, batch_size=int(counted.sum()), sync_dist=True)
+
+    def _start(self, stage: str) -> None:
+        self._carry = None
+        self.scores[stage] = np.full(self.num_events[stage], np.nan, dtype=np.float32)
+
+    def on_train_epoch_start(self) -> None:
+        self._carry = None
+
+    def on_validation_epoch_start(self) -> None:
+        self._start("val")
+
+    def on_test_epoch_start(self) -> None:
+        self._start("test")
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._collect("val", batch)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._collect("test", batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._carry = None
+        targets = self.trainer.datamodule.datasets["validation"].seqs.target
+        scored = ~np.isnan(self.scores["val"])
+        auc, ap = event_metrics(self.scores["val"][scored], targets[scored] > 0.5)
+        # An undefined AP (no fraud in validation) must not stop training early: log 0 instead of NaN.
+        self.log("val/ap", 0.0 if math.isnan(ap) else ap, prog_bar=True, sync_dist=True)
+        self.log("val/auc", 0.0 if math.isnan(auc) else auc, sync_dist=True)
+
+    def on_test_epoch_end(self) -> None:
+        self._carry = None
+
+    # -- optimiser ---------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = min(self.warmup_steps, total // 2)
+
+        def factor(step: int) -> float:
+            # Linear warm-up, then cosine decay to 10% of the peak rate.
+            if step < warmup:
+                return (step + 1) / max(warmup, 1)
+            progress = (step - warmup) / max(total - warmup, 1)
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,219 @@
+"""`txsentinel train`: one detector (or a per-event baseline) trained, tested and tracked in MLflow.
+
+train(cfg) reads the dataset, computes the causal features, splits time into train / delay / test, fits the
+normalisation on the training period, trains with Lightning (chunked histories, carried state), tests with
+the Handbook protocol over full histories, and logs everything to one MLflow run with a registered model.
+"""
+
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+import polars as pl
+import pytorch_lightning as pl_lightning
+import torch
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from pytorch_lightning.loggers import MLFlowLogger
+
+from models.registry import REGISTRY, build_detector, config_class
+from pipeline.data.dataset import read_dataset
+from pipeline.data.splits import dataset_days
+from pipeline.evaluation.plots import log_evaluation
+from pipeline.evaluation.protocol import detection_metrics, scenario_metrics
+from pipeline.features import compute_features, fit_feature_spec
+from pipeline.registry.artifact import save_model_dir
+from pipeline.registry.tracking import configure_tracking, log_and_register, log_params
+from pipeline.training.config import TrainConfig, TrainResult, flatten, resolve_split
+from pipeline.training.datamodule import HistoryDataModule, Window
+from pipeline.training.diagnostics import (
+    parallel_vs_recurrent_error,
+    state_bytes_per_account,
+    step_cost_us_per_event,
+)
+from pipeline.training.module import DetectorModule
+from pipeline.training.sequences import AccountSequences, build_sequences
+from pipeline.training.thresholds import Threshold, choose_threshold
+
+log = logging.getLogger(__name__)
+
+
+def _us(moment) -> int:
+    return int(moment.timestamp() * 1_000_000)
+
+
+def _pos_weight(seqs: AccountSequences, window: Window, given: float | None) -> float:
+    if given is not None:
+        return given
+    counted = (seqs.ts_us >= window.start_us) & (seqs.ts_us < window.end_us)
+    frauds = float(seqs.target[counted].sum())
+    legit = float(counted.sum()) - frauds
+    if frauds == 0:
+        raise ValueError(
+            "no known fraud in the training window: nothing to learn; use a longer training period"
+        )
+    # sqrt of the imbalance: strong enough that fraud is not ignored, mild enough to keep logits calibrated-ish.
+    return math.sqrt(legit / frauds)
+
+
+def _trainer(cfg: TrainConfig, logger: MLFlowLogger, checkpoint_dir: Path) -> pl_lightning.Trainer:
+    on_gpu = cfg.accelerator in ("gpu", "cuda")
+    precision = cfg.precision or ("bf16-mixed" if on_gpu else "32-true")
+    checkpoint = ModelCheckpoint(dirpath=checkpoint_dir, monitor="val/ap", mode="max", save_top_k=1)
+    return pl_lightning.Trainer(
+        max_epochs=cfg.max_epochs,
+        accelerator=cfg.accelerator,
+        devices=cfg.devices,
+        strategy="ddp" if cfg.devices > 1 else "auto",
+        precision=precision,
+        gradient_clip_val=cfg.gradient_clip,
+        callbacks=[EarlyStopping("val/ap", mode="max", patience=cfg.early_stopping_patience), checkpoint],
+        logger=logger,
+        use_distributed_sampler=False,  # chunks of a group must stay in order; the data module shards groups
+        reload_dataloaders_every_n_epochs=1,  # a new group order every epoch
+        enable_progress_bar=cfg.progress_bar,
+        enable_model_summary=False,
+        log_every_n_steps=10,
+        deterministic=False,
+    )
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    if cfg.model not in REGISTRY:
+        from pipeline.training.baselines import BASELINES, train_baseline
+
+        if cfg.model in BASELINES:
+            return train_baseline(cfg)
+        raise ValueError(f"unknown model {cfg.model!r}; choose one of {sorted(REGISTRY) + sorted(BASELINES)}")
+    started = time.perf_counter()
+    pl_lightning.seed_everything(cfg.seed, workers=True, verbose=False)
+    frame = read_dataset(cfg.data)
+    split, validation = resolve_split(cfg, dataset_days(frame))
+    features = compute_features(frame.filter(pl.col("ts") < split.test.end))
+    spec = fit_feature_spec(features, split.train.start, split.train.end)
+
+    # Training sees labels known at the cutoff only; the test is scored against the truth.
+    train_seqs = build_sequences(features.filter(pl.col("ts") < split.train.end), spec, split.label_cutoff)
+    test_seqs = build_sequences(features, spec, label_cutoff=None)
+    windows = {
+        "train": Window(_us(split.train.start), _us(validation.start)),
+        "validation": Window(_us(validation.start), _us(split.train.end)),
+        "test": Window(_us(split.test.start), _us(split.test.end)),
+    }
+    data = HistoryDataModule(
+        train=(train_seqs, windows["train"]),
+        validation=(train_seqs, windows["validation"]),
+        test=(test_seqs, windows["test"]),
+        batch_accounts=cfg.batch_accounts,
+        chunk_events=cfg.chunk_events,
+        num_workers=cfg.num_workers,
+        seed=cfg.seed,
+    )
+    model_config = config_class(cfg.model)(
+        **{
+            **config_class(cfg.model)().to_dict(),
+            "num_features": spec.num_features,
+            "terminal_buckets": spec.terminal_buckets,
+            **cfg.model_config,
+        }
+    )
+    detector = build_detector(cfg.model, model_config)
+    module = DetectorModule(
+        detector,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_steps,
+        pos_weight=_pos_weight(train_seqs, windows["train"], cfg.pos_weight),
+        num_events={"val": len(train_seqs.x), "test": len(test_seqs.x)},
+    )
+
+    tracking_uri = configure_tracking()
+    mlflow.set_experiment(cfg.experiment)
+    with mlflow.start_run(run_name=f"{cfg.model}") as run:
+        run_id = run.info.run_id
+        log_params(flatten(cfg, model_config.to_dict()))
+        mlflow.log_params(
+            {
+                "split.train": str(split.train),
+                "split.validation": str(validation),
+                "split.test": str(split.test),
+            }
+        )
+        mlflow.set_tags({"model_family": "sequence", "detector": cfg.model})
+        logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=tracking_uri, run_id=run_id)
+        trainer = _trainer(cfg, logger, cfg.out_dir / run_id / "checkpoints")
+        trainer.fit(module, datamodule=data)
+        best = trainer.checkpoint_callback.best_model_path
+        if best:
+            module.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
+        train_seconds = time.perf_counter() - started
+        trainer.validate(module, datamodule=data, verbose=False)  # the best weights' validation scores
+        threshold = _threshold(module.scores["val"], train_seqs, cfg.alert_budget_per_day)
+        trainer.test(module, datamodule=data, verbose=False)
+        if not trainer.is_global_zero:
+            return TrainResult(run_id, cfg.model, "", -1)
+
+        detector = module.detector.cpu().eval()
+        scored = _scored_events(test_seqs, module.scores["test"])
+        metrics = detection_metrics(scored, frame, split.test, cfg.cp_k)
+        results = metrics.as_dict()
+        results.update(scenario_metrics(scored, frame))
+        results["test/parallel_vs_recurrent_max_abs"] = parallel_vs_recurrent_error(detector, test_seqs)
+        results["model/state_bytes_per_account"] = float(state_bytes_per_account(detector))
+        results["model/step_us_per_event"] = step_cost_us_per_event(detector)
+        results["train/seconds"] = train_seconds
+        results["train/epochs"] = float(trainer.current_epoch)
+        best_score = trainer.checkpoint_callback.best_model_score
+        results["val/ap"] = float(best_score) if best_score is not None else float("nan")
+        results["val/threshold"] = threshold.value
+        results["val/alerts_per_day"] = threshold.validation_alerts_per_day
+        results["val/precision_at_threshold"] = threshold.validation_precision
+        results = {k: v for k, v in results.items() if not (isinstance(v, float) and math.isnan(v))}
+        mlflow.log_metrics(results)
+        log_evaluation(scored, metrics, cfg.model)
+
+        meta: dict[str, Any] = {
+            "run_id": run_id,
+            "detector": cfg.model,
+            "trained_on": str(cfg.data),
+            "split": {"train": str(split.train), "validation": str(validation), "test": str(split.test)},
+            "metrics": results,
+            "threshold": threshold.value,
+            "alert_budget": threshold.as_meta(),
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = save_model_dir(Path(tmp) / "model", detector, spec, meta)
+            model_uri, version = log_and_register(model_dir, cfg.registered_model)
+    print(
+        f"trained {cfg.model}: run {run_id}, {cfg.registered_model} v{version}, "
+        f"test AUC {metrics.auc:.3f} AP {metrics.ap:.3f} CP@{cfg.cp_k} {metrics.cp_at_k:.3f}, "
+        f"parallel-vs-recurrent {results['test/parallel_vs_recurrent_max_abs']:.1e}, "
+        f"alert threshold {threshold.value:.3f} ({threshold.validation_alerts_per_day:.0f}/day on validation), "
+        f"{train_seconds:.0f} s"
+    )
+    return TrainResult(run_id, cfg.model, model_uri, version, results)
+
+
+def _threshold(val_logits: np.ndarray, seqs: AccountSequences, budget_per_day: float) -> Threshold:
+    scored = ~np.isnan(val_logits)
+    probabilities = 1.0 / (1.0 + np.exp(-val_logits[scored].astype(np.float64)))
+    return choose_threshold(probabilities, seqs.target[scored] > 0.5, seqs.ts_us[scored], budget_per_day)
+
+
+def _scored_events(seqs: AccountSequences, scores: np.ndarray) -> pl.DataFrame:
+    """Events that were scored (in the test window), with what the metrics need."""
+    scored = ~np.isnan(scores)
+    owner = np.repeat(seqs.account_ids, seqs.lengths)
+    return pl.DataFrame(
+        {
+            "event_id": seqs.event_ids[scored],
+            "account_id": owner[scored],
+            "ts": pl.Series(seqs.ts_us[scored]).cast(pl.Datetime("us", "UTC")),
+            "score": scores[scored].astype(np.float64),
+            "is_fraud": seqs.is_fraud[scored],
+        }
+    )

@@ -1,0 +1,57 @@
+"""The service's Prometheus text: counters, gauges and histograms as a scraper parses them."""
+
+import re
+import urllib.request
+
+import pytest
+
+from consumers.runtime.metrics import HISTOGRAMS, Metrics, MetricsServer
+
+
+def parse(text: str) -> dict[str, float]:
+    """'name{labels} value' lines -> {'name{labels}': value}; comments must be HELP or TYPE."""
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"# (HELP|TYPE) txsentinel_\w+ ", line), line
+            continue
+        name, value = line.rsplit(" ", 1)
+        values[name] = float(value)
+    return values
+
+
+def test_histogram_buckets_are_cumulative_with_le_inclusive():
+    metrics = Metrics()
+    metrics.observe("txsentinel_latency_seconds", [0.005, 0.004, 0.02, 0.3, 99.0])
+    metrics.observe("txsentinel_latency_seconds", 0.05)
+    values = parse(metrics.render())
+    bucket = 'txsentinel_latency_seconds_bucket{le="%s"}'
+    assert values[bucket % "0.005"] == 2  # 0.004 and the bound itself
+    assert values[bucket % "0.025"] == 3
+    assert values[bucket % "0.05"] == 4
+    assert values[bucket % "0.5"] == 5
+    assert values[bucket % "30"] == 5
+    assert values[bucket % "+Inf"] == 6 == values["txsentinel_latency_seconds_count"]
+    assert values["txsentinel_latency_seconds_sum"] == pytest.approx(99.379)
+    # Buckets never decrease, in the order of their bounds.
+    for name, bounds in HISTOGRAMS.items():
+        counts = [values[f'{name}_bucket{{le="{b:g}"}}'] for b in bounds]
+        assert counts == sorted(counts)
+
+
+def test_counters_and_gauges_render_and_serve_over_http():
+    metrics = Metrics()
+    metrics.inc("txsentinel_events_scored_total", 500)
+    metrics.inc("txsentinel_events_scored_total", 20)
+    metrics.set("txsentinel_consumer_lag", 7)
+    metrics.set("txsentinel_consumer_lag", 3)
+    server = MetricsServer(metrics, "127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as response:
+            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            values = parse(response.read().decode())
+    finally:
+        server.close()
+    assert values["txsentinel_events_scored_total"] == 520
+    assert values["txsentinel_consumer_lag"] == 3
+    assert values["txsentinel_batch_seconds_count"] == 0

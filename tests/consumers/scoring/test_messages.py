@@ -1,0 +1,110 @@
+"""The JSON message formats of the transactions and labels topics."""
+
+import json
+
+import pytest
+
+from consumers.scoring.messages import (
+    Label,
+    MessageError,
+    Transaction,
+    decode_label,
+    decode_transaction,
+    encode_label,
+    encode_score,
+    encode_scores,
+    encode_transaction,
+    format_ts,
+    parse_ts,
+)
+
+GOOD = {
+    "event_id": "E1",
+    "account_id": "A1",
+    "ts": "2026-03-01T12:00:00.25Z",
+    "amount": 12.5,
+    "terminal_id": "T9",
+}
+
+
+def message(**changes) -> bytes:
+    data = {**GOOD, **changes}
+    return json.dumps({k: v for k, v in data.items() if v is not ...}).encode()
+
+
+def test_transaction_round_trips_with_microsecond_timestamps():
+    tx = Transaction("E1", "A1", parse_ts("2026-03-01T12:00:00.000001+00:00", "ts"), 0.0, "T9", channel="pos")
+    assert decode_transaction(encode_transaction(tx)) == tx
+    assert format_ts(tx.ts_us) == "2026-03-01T12:00:00.000001Z"
+    assert parse_ts("2026-03-01T13:00:00+01:00", "ts") == parse_ts("2026-03-01T12:00:00Z", "ts")
+
+
+def test_label_round_trips():
+    label = Label("E1", "A1", "T9", True, parse_ts("2026-03-04T09:00:00Z", "label_ts"))
+    assert decode_label(encode_label(label)) == label
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"{not json", "not valid UTF-8 JSON"),
+        (b"\xff\xfe", "not valid UTF-8 JSON"),
+        (b"[1, 2]", "expected a JSON object"),
+        (message(amount=...), "missing required field(s): amount"),
+        (message(amount="12"), "'amount': expected a number"),
+        (message(amount=-1), "-1 is not a finite amount"),
+        (
+            b'{"event_id":"E1","account_id":"A1","ts":"2026-03-01T12:00:00Z","amount":NaN,"terminal_id":"T"}',
+            "nan",
+        ),
+        (message(account_id=""), "'account_id': expected a non-empty string"),
+        (message(ts="yesterday"), "'yesterday' is not an ISO-8601 timestamp"),
+        (message(ts="2026-03-01T12:00:00"), "has no UTC offset"),
+        (message(ts="1970-01-02T00:00:00Z"), "outside 2000..2099"),
+        (message(ts=1767225600), "expected an ISO-8601 timestamp string, got int"),
+        (message(colour="red"), "unknown field(s): colour"),
+        (message(channel=7), "'channel': expected a string"),
+        (b'{"pad":"' + b"x" * 70_000 + b'"}', "limit is 65536"),
+    ],
+)
+def test_bad_transactions_are_refused_with_a_reason(raw, reason):
+    with pytest.raises(MessageError) as error:
+        decode_transaction(raw)
+    assert reason in str(error.value)
+
+
+def test_label_needs_a_boolean_verdict():
+    data = {
+        "event_id": "E1",
+        "account_id": "A1",
+        "terminal_id": "T",
+        "is_fraud": 1,
+        "label_ts": "2026-03-04T09:00:00Z",
+    }
+    with pytest.raises(MessageError, match="'is_fraud': expected true or false"):
+        decode_label(json.dumps(data).encode())
+
+
+def test_fast_score_encoding_equals_the_json_dumps_reference_byte_for_byte():
+    from consumers.scoring.scorer import ScoreRecord
+
+    awkward_ids = ["plain", 'quote " and \\ backslash', "ünïcödé €", "tab\tnew\nline", "\x00nul"]
+    stamps = [946_684_800_000_000, 1_772_366_400_250_000, 4_102_444_799_999_999, 1_772_366_400_000_001]
+    scores = [0.0, 1.0, 1e-300, 0.1 + 0.2, 0.5, 0.999999999999]
+    records = [
+        ScoreRecord(
+            event_id=awkward_ids[i % len(awkward_ids)],
+            account_id=awkward_ids[(i + 2) % len(awkward_ids)],
+            ts_us=stamps[i % len(stamps)],
+            score=scores[i % len(scores)],
+            logit=0.0,
+            alert=i % 3 == 0,
+            out_of_order=i % 4 == 1,
+        )
+        for i in range(60)
+    ]
+    for version in ("3", 'models:/txsentinel@"champion"'):
+        fast = encode_scores(records, version)
+        assert fast == [encode_score(r, version) for r in records]
+        assert json.loads(fast[1])["ts"] == "2026-03-01T12:00:00.250000Z"
+    assert encode_scores([], "3") == []

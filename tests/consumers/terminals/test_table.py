@@ -1,0 +1,167 @@
+"""The terminal table and the terminal deltas: their record codecs, and the specification of the protocol that
+merges several instances' terminal counts: a table flushed at any point, plus the deltas after its positions,
+gives back the state of every event and label, bit for bit, however the events were split between instances.
+(Against the real broker: tests/integration/test_service_labels.py.)"""
+
+import numpy as np
+import pytest
+
+from consumers.scoring.messages import MessageError
+from consumers.terminals import deltas as terminal_deltas
+from consumers.terminals import table as terminal_table
+from consumers.terminals.table import POSITIONS_KEY, Positions
+from pipeline.data.generate import GenerateConfig, generate
+from pipeline.features.state import TERMINAL_STATE, StateTable
+from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, TerminalOp, replay_batches
+
+
+def featurizer_with_two_terminals() -> StreamingFeaturizer:
+    featurizer = StreamingFeaturizer()
+    ts = np.array([1_700_000_000_000_000, 1_700_000_100_000_000], dtype=np.int64)
+    featurizer.transform(EventBatch(["a", "b"], ["t1", "t2"], ts, np.array([5.0, 7.0])))
+    featurizer.observe_labels(LabelBatch(["t1"], ts[1:], np.array([True])))
+    return featurizer
+
+
+def test_terminal_records_round_trip():
+    source = featurizer_with_two_terminals()
+    value = terminal_table.encode_terminal(source.terminals.get_bytes("t1"))
+    assert terminal_table.decode_terminal("t1", value) == source.terminals.get_bytes("t1")
+
+
+def test_a_record_of_another_version_or_layout_is_refused_with_what_to_do():
+    value = terminal_table.encode_terminal(featurizer_with_two_terminals().terminals.get_bytes("t1"))
+    other = value[:4] + (99).to_bytes(2, "little") + value[6:]
+    with pytest.raises(ValueError, match=r"state version 99.*new topic and replay"):
+        terminal_table.decode_terminal("t1", other)
+    with pytest.raises(ValueError, match="before the terminal table writer: point terminal_table_topic"):
+        terminal_table.decode_terminal("t1", b"TXT2" + value[4:])
+    with pytest.raises(ValueError, match="bad magic"):
+        terminal_table.decode_terminal("t1", b"nope")
+
+
+def test_a_delta_of_another_version_is_refused_and_garbage_is_a_message_error_to_skip():
+    delta = terminal_deltas.encode_deltas([TerminalOp("events", ["a"], np.array([1], dtype=np.int64))])
+    newer = delta[:4] + (99).to_bytes(2, "little") + delta[6:]
+    with pytest.raises(ValueError, match=r"state version 99.*new topic and replay") as refused:
+        terminal_deltas.decode_deltas("deltas[0]@3", newer)
+    assert not isinstance(refused.value, MessageError), "a version mismatch must stop, not be skipped"
+    garbage = {
+        b"nope": "bad magic",
+        terminal_table.pack_header(b"TXD1") + b"{not json": r"deltas\[0\]@3 does not decode",
+        terminal_table.pack_header(b"TXD1") + b'[["a","b"],[1]]': r"deltas\[0\]@3 has 2 terminals",
+    }
+    for value, reason in garbage.items():
+        with pytest.raises(MessageError, match=reason):
+            terminal_deltas.decode_deltas("deltas[0]@3", value)
+
+
+def test_positions_round_trip_and_refuse_other_topics():
+    positions = Positions(labels={1: 7, 0: 3}, deltas={0: 11})
+    data = terminal_table.encode_positions(positions, "labels", "deltas")
+    assert terminal_table.decode_positions(data, "labels", "deltas") == positions
+    with pytest.raises(ValueError, match=r"labels topic 'labels'.*reads 'other-labels'"):
+        terminal_table.decode_positions(data, "other-labels", "deltas")
+    with pytest.raises(ValueError, match=r"deltas topic 'deltas'.*reads 'd2'"):
+        terminal_table.decode_positions(data, "labels", "d2")
+
+
+def test_a_delta_carries_a_batchs_event_counts_and_leaves_reports_out():
+    featurizer = StreamingFeaturizer()
+    featurizer.terminal_journal = []
+    featurizer.observe_labels(LabelBatch(["t9"], np.array([5], dtype=np.int64), np.array([True])))
+    assert terminal_deltas.encode_deltas(featurizer.take_terminal_journal()) is None  # reports only
+    ts = np.array([3, 2, 1], dtype=np.int64) * 86_400_000_000
+    featurizer.transform(EventBatch(["a", "b", "a"], ["t1", "t2", "t1"], ts, np.ones(3)))
+    op = terminal_deltas.decode_deltas(
+        "here", terminal_deltas.encode_deltas(featurizer.take_terminal_journal())
+    )
+    assert op.kind == "events" and op.terminals == ["t1", "t2", "t1"] and op.days.tolist() == [3, 2, 1]
+
+
+def test_a_flush_ends_with_the_positions():
+    featurizer = featurizer_with_two_terminals()
+    records = terminal_table.flush_records(featurizer.terminals, {"t2", "t1"}, Positions(), "l", "d")
+    assert [key for key, _ in records] == ["t1", "t2", POSITIONS_KEY]
+
+
+@pytest.fixture(scope="module")
+def stream() -> list[tuple[EventBatch, LabelBatch | None]]:
+    frame = generate(GenerateConfig(accounts=600, days=20, seed=5)).sort("ts", "event_id").head(12_000)
+    assert frame["terminal_id"].n_unique() > 500 and frame["is_fraud"].sum() > 20
+    return list(replay_batches(frame, 200))
+
+
+def terminal_bytes(terminals: StateTable) -> dict[str, bytes]:
+    return {t: terminals.get_bytes(t) for t in terminals}
+
+
+def test_a_table_flushed_anywhere_plus_the_later_deltas_is_every_instances_state(stream):
+    """Three instances score interleaved batches, each writing its delta to a shared log; the writer folds
+    the log and flushes at irregular points (labels, read by all, are folded at the end: order-free); a restore from any flush, plus the deltas after
+    its positions, equals one featurizer that saw everything, and so does every live instance after it has
+    folded the others' deltas (as the service does each batch)."""
+    everything = StreamingFeaturizer()
+    instances = [StreamingFeaturizer() for _ in range(3)]
+    for instance in instances:
+        instance.terminal_journal = []
+    log: list[tuple[int, bytes]] = []  # the deltas topic: (writer instance, value)
+    labels: list[LabelBatch] = []
+    writer, writer_at, table, flushed = StreamingFeaturizer(), 0, {}, []
+    rng = np.random.default_rng(3)
+    for i, (events, batch_labels) in enumerate(stream):
+        everything.transform(events, batch_labels)
+        who = instances[i % 3]
+        who.transform(events)  # labels: every instance reads them; kept apart here, folded below
+        if batch_labels is not None:
+            labels.append(batch_labels)
+        log.append((i % 3, terminal_deltas.encode_deltas(who.take_terminal_journal())))
+        if rng.random() < 0.2:  # the writer catches up and flushes
+            ops = [terminal_deltas.decode_deltas("log", value) for _, value in log[writer_at:]]
+            writer.apply_terminal_ops(ops)
+            changed = {t for op in ops for t in op.terminals}
+            writer_at = len(log)
+            for key, value in terminal_table.flush_records(
+                writer.terminals, changed, Positions(deltas={0: writer_at}), "l", "d"
+            ):
+                table[key] = value
+            flushed.append(dict(table))
+
+    def restore(snapshot: dict) -> StreamingFeaturizer:
+        restored = StreamingFeaturizer()
+        positions = terminal_table.decode_positions(snapshot[POSITIONS_KEY], "l", "d")
+        restored.terminals = StateTable(TERMINAL_STATE)
+        for key, value in snapshot.items():
+            if key != POSITIONS_KEY:
+                restored.terminals.put_bytes(key, terminal_table.decode_terminal(key, value))
+        restored.apply_terminal_ops(
+            [terminal_deltas.decode_deltas("log", value) for _, value in log[positions.deltas[0] :]]
+        )
+        return restored
+
+    fraud = LabelBatch(
+        [t for b in labels for t in b.terminal_ids],
+        np.concatenate([b.label_ts_us for b in labels]),
+        np.concatenate([b.is_fraud for b in labels]),
+    )
+    expected = terminal_bytes(everything.terminals)
+    assert len(flushed) >= 5
+    for snapshot in flushed:
+        restored = restore(snapshot)
+        restored.observe_labels(fraud)
+        assert terminal_bytes(restored.terminals) == expected
+    for n, instance in enumerate(instances):
+        instance.apply_terminal_ops([terminal_deltas.decode_deltas("log", v) for w, v in log if w != n])
+        instance.observe_labels(fraud)
+        assert terminal_bytes(instance.terminals) == expected
+
+
+def test_an_events_op_folds_the_same_as_the_batch_that_made_it():
+    featurizer = StreamingFeaturizer()
+    featurizer.terminal_journal = []
+    ts = np.array([10, 12, 11], dtype=np.int64) * 86_400_000_000
+    featurizer.transform(EventBatch(["a"] * 3, ["t"] * 3, ts, np.ones(3)))
+    (op,) = featurizer.take_terminal_journal()
+    again = StreamingFeaturizer()
+    again.apply_terminal_ops([TerminalOp(op.kind, op.terminals, op.days)])
+    assert terminal_bytes(again.terminals) == terminal_bytes(featurizer.terminals)

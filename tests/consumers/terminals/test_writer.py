@@ -1,0 +1,91 @@
+"""The table writer's flush: one transaction that holds the bad labels' dead letters, the changed terminals and,
+last, the positions (a table read ends on them: consumers/terminals/table.py). The producer is a scripted
+stand-in; the writer against the real broker: tests/integration/test_service_labels.py."""
+
+import json
+from collections import namedtuple
+
+import numpy as np
+
+from consumers.runtime.metrics import Metrics
+from consumers.runtime.settings import load_serve_config
+from consumers.scoring.messages import MessageError
+from consumers.terminals import writer as terminal_writer
+from consumers.terminals.feed import FeedRead
+from consumers.terminals.table import POSITIONS_KEY, Positions, decode_positions
+from consumers.terminals.writer import TerminalTableWriter
+from pipeline.features.stream import StreamingFeaturizer, TerminalOp
+
+Record = namedtuple("Record", "topic partition offset key value")
+
+
+class ScriptedProducer:
+    def __init__(self):
+        self.log = []
+
+    def begin_transaction(self):
+        self.log.append(("begin",))
+
+    def send(self, topic, key, value, partition=None):
+        self.log.append(("send", topic, key, value))
+
+    def commit_transaction(self):
+        self.log.append(("commit",))
+
+
+def test_a_flush_is_one_transaction_ending_with_the_positions_and_counts_what_it_wrote():
+    cfg = load_serve_config(None, overrides={"topic_prefix": "p-", "group_id": "g"}, env={})
+    metrics = Metrics()
+    writer = TerminalTableWriter(cfg, "unused:9092", metrics)
+    assert writer.transactional_id == "txsentinel-scorer-terminal-table-g"  # one per deployment
+    featurizer, changed = StreamingFeaturizer(), set()
+    got = FeedRead(
+        deltas=[TerminalOp("events", ["t2", "t1", "t2"], np.array([5, 5, 6]))],
+        bad=[(Record("p-labels", 0, 7, b"k", b"{nope"), MessageError("not valid UTF-8 JSON"))],
+    )
+    writer._fold(featurizer, got, changed)
+    producer = ScriptedProducer()
+    positions = Positions(labels={0: 8}, deltas={0: 3})
+    writer._flush(producer, featurizer, changed, got.bad, positions)
+
+    kinds = [entry[0] for entry in producer.log]
+    assert kinds == ["begin", "send", "send", "send", "send", "commit"]
+    dead = producer.log[1]
+    assert dead[1] == "p-dead-letter" and json.loads(dead[3])["source_offset"] == 7
+    assert [(e[1], e[2]) for e in producer.log[2:5]] == [
+        ("p-terminal-risk-table", "t1"), ("p-terminal-risk-table", "t2"), ("p-terminal-risk-table", POSITIONS_KEY)
+    ]  # fmt: skip
+    assert decode_positions(producer.log[4][3], "p-labels", "p-terminal-deltas") == positions
+    assert (writer.stats.flushes, writer.stats.terminals_written, writer.stats.dead_lettered) == (
+        1,
+        2,
+        1,
+    )
+    assert metrics.get("txsentinel_terminal_table_flushes_total") == 1
+    assert metrics.get("txsentinel_events_dead_lettered_total") == 1
+
+
+def test_a_big_flush_pauses_between_chunks_in_its_one_transaction_unless_stopping(monkeypatch):
+    cfg = load_serve_config(None, overrides={"topic_prefix": "p-", "group_id": "g"}, env={})
+    writer = TerminalTableWriter(cfg, "unused:9092", Metrics())
+    featurizer, changed = StreamingFeaturizer(), set()
+    terminals = [f"t{i:03d}" for i in range(2 * terminal_writer.FLUSH_CHUNK + 50)]
+    writer._fold(
+        featurizer,
+        FeedRead(deltas=[TerminalOp("events", terminals, np.zeros(len(terminals), dtype=np.int64))]),
+        changed,
+    )
+    producer = ScriptedProducer()
+    monkeypatch.setattr(terminal_writer.time, "sleep", lambda s: producer.log.append(("pause",)))
+
+    writer._flush(producer, featurizer, changed, [], Positions())
+    kinds = [entry[0] for entry in producer.log]
+    assert kinds.count("begin") == 1 and kinds[-1] == "commit" and kinds.count("send") == len(terminals) + 1
+    pauses = [i for i, kind in enumerate(kinds) if kind == "pause"]
+    chunk = terminal_writer.FLUSH_CHUNK
+    assert pauses == [1 + chunk, 2 + 2 * chunk]  # after each full chunk, none after the last
+    assert producer.log[-2][2] == POSITIONS_KEY  # still the last record
+
+    producer.log.clear()
+    writer._flush(producer, featurizer, changed, [], Positions(), paced=False)  # stopping: at once
+    assert ("pause",) not in producer.log

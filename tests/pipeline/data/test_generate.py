@@ -1,0 +1,259 @@
+"""The synthetic generator: determinism, schema, the Handbook's shape, every scenario and its labels."""
+
+import time
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import polars as pl
+import pytest
+
+from pipeline.data.dataset import read_dataset, write_dataset
+from pipeline.data.generate import (
+    FRAUD_SCENARIOS,
+    SCENARIOS,
+    GenerateConfig,
+    build_world,
+    generate,
+    scenario_summary,
+)
+from pipeline.data.scenarios import terminals_within
+from pipeline.data.schema import EVENT_ORDER, TRANSACTION_SCHEMA
+
+INJECTED = ("account_takeover", "card_testing")
+# Default rates on a small dataset: what a quick `txsentinel generate` gives.
+SMALL = GenerateConfig(accounts=200, days=30, seed=7)
+# Rates boosted far above the Handbook's so that every scenario shows up many times in a small dataset.
+BUSY = GenerateConfig(
+    accounts=300,
+    days=40,
+    seed=11,
+    compromised_terminals_per_day=20.0,
+    compromised_accounts_per_day=30.0,
+    takeover_accounts_per_day=30.0,
+    card_testing_accounts_per_day=40.0,
+    drift_account_fraction=0.3,
+)
+
+
+@pytest.fixture(scope="module")
+def small() -> pl.DataFrame:
+    return generate(SMALL)
+
+
+@pytest.fixture(scope="module")
+def busy() -> pl.DataFrame:
+    return generate(BUSY)
+
+
+def _index(ids: pl.Series) -> np.ndarray:
+    return ids.str.slice(1).cast(pl.Int64).to_numpy()
+
+
+def _day_and_seconds(frame: pl.DataFrame, cfg: GenerateConfig) -> tuple[np.ndarray, np.ndarray]:
+    start = datetime(cfg.start_date.year, cfg.start_date.month, cfg.start_date.day, tzinfo=UTC)
+    us = (frame["ts"] - start).dt.total_microseconds().to_numpy()
+    return us // 86_400_000_000, (us % 86_400_000_000) / 1e6
+
+
+def test_same_seed_same_frame_and_different_seeds_differ(small):
+    assert generate(SMALL).equals(small)
+    other = generate(GenerateConfig(accounts=200, days=30, seed=8))
+    assert not other.equals(small)
+    assert other.height != small.height or not np.array_equal(other["amount"], small["amount"])
+
+
+def test_schema_order_and_ids(small, tmp_path):
+    assert small.height > 1000
+    for name, dtype in small.schema.items():
+        assert TRANSACTION_SCHEMA[name] == dtype, name
+    assert small.columns == [n for n in TRANSACTION_SCHEMA if n in small.columns]
+    assert {
+        "event_id",
+        "account_id",
+        "ts",
+        "amount",
+        "terminal_id",
+        "is_fraud",
+        "label_ts",
+        "scenario",
+    } == set(small.columns)
+    assert small.null_count().sum_horizontal().item() == 0
+    assert small.equals(small.sort(EVENT_ORDER))
+    assert small["event_id"].n_unique() == small.height
+    assert small["event_id"].str.contains(r"^E\d{9}$").all()
+    assert small["account_id"].str.contains(r"^A\d{5}$").all()
+    assert small["terminal_id"].str.contains(r"^T\d{5}$").all()
+    assert _index(small["account_id"]).max() < SMALL.accounts
+    assert _index(small["terminal_id"]).max() < SMALL.n_terminals
+    # The shared dataset writer takes the frame as it is.
+    write_dataset(small, tmp_path, {"generator": "test"})
+    assert read_dataset(tmp_path).equals(small)
+
+
+def test_amounts_positive_finite_in_cents(busy):
+    amount = busy["amount"].to_numpy()
+    assert np.isfinite(amount).all()
+    assert (amount > 0).all()
+    np.testing.assert_allclose(np.round(amount * 100), amount * 100, atol=1e-6)
+
+
+def test_times_inside_period_and_handbook_time_of_day(small):
+    day, seconds = _day_and_seconds(small, SMALL)
+    assert day.min() >= 0
+    assert day.max() < SMALL.days
+    own = small["scenario"].is_in(["legit", "drift"]).to_numpy()
+    # N(43200, 20000) truncated to the day: mean noon, std about 0.91 x 20000.
+    assert abs(seconds[own].mean() - 43_200) < 1_500
+    assert 16_500 < seconds[own].std() < 20_000
+    # Each day has events, roughly the Handbook's 2 per account and day on average.
+    per_day = np.bincount(day, minlength=SMALL.days)
+    assert per_day.min() > 0
+    assert 1.2 < small.height / (SMALL.accounts * SMALL.days) < 2.2
+
+
+def test_terminals_within_radius_of_home_except_injected(busy):
+    world = build_world(BUSY)
+    assert np.any(world.drift_home_per_day != 0)  # moving homes are exercised
+    acc, term = _index(busy["account_id"]), _index(busy["terminal_id"])
+    day, _ = _day_and_seconds(busy, BUSY)
+    gap = world.terminal_xy[term] - world.home_xy(acc, day)
+    distance = np.hypot(gap[:, 0], gap[:, 1])
+    injected = busy["scenario"].is_in(list(INJECTED)).to_numpy()
+    assert (distance[~injected] <= BUSY.radius + 1e-9).all()
+    # Takeover and card testing happen near a terminal at least 25 from home, so at least 20 away.
+    assert injected.sum() > 100
+    assert (distance[injected] >= BUSY.unusual_terminal_distance_min - BUSY.radius).all()
+
+
+@pytest.mark.parametrize(
+    ("points", "terminals", "radius"), [(400, 1000, 5.0), (200, 60, 0.7), (50, 300, 150.0)]
+)
+def test_terminals_within_matches_brute_force(points, terminals, radius):
+    rng = np.random.default_rng(points)
+    xy = np.concatenate([[[0.0, 0.0], [100.0, 100.0], [100.0, 0.0]], rng.uniform(0, 100, (points, 2))])
+    terminal_xy = rng.uniform(0, 100, (terminals, 2))
+    reach = terminals_within(xy, terminal_xy, radius)
+    # The slow reference: every (point, terminal) distance.
+    near = np.hypot(*(xy[:, None, :] - terminal_xy[None, :, :]).transpose(2, 0, 1)) <= radius  # (P, M)
+    np.testing.assert_array_equal(reach.counts(), near.sum(axis=1))
+    np.testing.assert_array_equal(reach.indices, np.nonzero(near)[1])  # row-major: by point, then terminal
+
+
+def test_accounts_without_terminals_make_no_own_transactions():
+    cfg = GenerateConfig(accounts=200, days=20, terminals=30, seed=3, drift_account_fraction=0.0)
+    frame = generate(cfg)
+    world = build_world(cfg)
+    gap = world.account_xy[:, None, :] - world.terminal_xy[None, :, :]  # (A, M, 2)
+    lonely = ~(np.hypot(gap[..., 0], gap[..., 1]) <= cfg.radius).any(axis=1)
+    assert 50 < lonely.sum() < cfg.accounts  # 30 terminals leave most accounts with none in reach
+    own = frame.filter(~pl.col("scenario").is_in(list(INJECTED)))
+    assert not lonely[_index(own["account_id"])].any()
+    assert own.height > 0
+
+
+def test_every_scenario_appears_with_consistent_labels(busy):
+    assert set(busy["scenario"].unique()) == set(SCENARIOS)
+    assert busy["is_fraud"].equals(busy["scenario"].is_in(list(FRAUD_SCENARIOS)), check_names=False)
+    by = {s: busy.filter(pl.col("scenario") == s) for s in SCENARIOS}
+    assert not by["drift"]["is_fraud"].any()
+    assert not by["legit"]["is_fraud"].any()
+    assert (by["high_amount"]["amount"] > BUSY.high_amount_threshold).all()
+    assert (by["legit"]["amount"] <= BUSY.high_amount_threshold).all()
+    # Card testing: tiny probes and large cash-outs, more probes than cash-outs.
+    card = by["card_testing"]["amount"]
+    tiny, large = (card <= BUSY.card_testing_probe_amount_max), (card >= BUSY.card_testing_cashout_amount_min)
+    assert (tiny | large).all()
+    assert tiny.sum() > large.sum() > 0
+
+
+def test_drift_accounts_are_marked_and_their_amounts_grow(busy):
+    world = build_world(BUSY)
+    drift_accounts = set(np.unique(_index(busy.filter(pl.col("scenario") == "drift")["account_id"])))
+    assert drift_accounts <= set(np.flatnonzero(world.drift))
+    assert len(drift_accounts) > 0.8 * world.drift.sum()
+    # Accounts whose amounts drift: late events are larger than early ones by about the planned factor.
+    day, _ = _day_and_seconds(busy, BUSY)
+    frame = busy.with_columns(day=pl.Series(day), acc=pl.Series(_index(busy["account_id"])))
+    growing = np.flatnonzero(world.drift_amount_per_day > 0)
+    ratio = (
+        frame.filter(pl.col("scenario") == "drift", pl.col("acc").is_in(growing))
+        .group_by("acc")
+        .agg(
+            early=pl.col("amount").filter(pl.col("day") < 10).mean(),
+            late=pl.col("amount").filter(pl.col("day") >= BUSY.days - 10).mean(),
+        )
+        .drop_nulls()
+        .select((pl.col("late") / pl.col("early")).median())
+        .item()
+    )
+    assert 1.3 < ratio < 2.6
+
+
+def test_takeover_spends_more_than_usual(busy):
+    world = build_world(BUSY)
+    takeover = busy.filter(pl.col("scenario") == "account_takeover")
+    day, _ = _day_and_seconds(takeover, BUSY)
+    usual = world.mean_amount_at(_index(takeover["account_id"]), day)
+    factor = np.median(takeover["amount"].to_numpy() / usual)
+    assert BUSY.takeover_amount_factor_min * 0.8 < factor < BUSY.takeover_amount_factor_max
+
+
+def test_label_times(busy):
+    delay = (busy["label_ts"] - busy["ts"]).dt.total_seconds(fractional=True).to_numpy()
+    fraud = busy["is_fraud"].to_numpy()
+    assert (delay >= 0).all()
+    np.testing.assert_allclose(delay[~fraud], timedelta(days=BUSY.legit_label_delay_days).total_seconds())
+    assert (delay[fraud] >= 3600 - 1e-3).all()
+    assert (delay[fraud] <= timedelta(days=BUSY.label_delay_days_max).total_seconds() + 1e-3).all()
+    # 1 h plus a gamma with mean 3.5 days, over thousands of frauds.
+    assert 3.0 < delay[fraud].mean() / 86_400 < 4.2
+
+
+def test_rates_scale_with_size(small):
+    cfg = GenerateConfig(accounts=500)
+    assert (cfg.n_terminals, cfg.account_scale, cfg.terminal_scale) == (1000, 0.1, 0.1)
+    assert GenerateConfig(accounts=500, terminals=4000).terminal_scale == 0.4
+    # Rates scale with the dataset, so the fraud rate stays near the Handbook's ~1% at any size,
+    # and a small dataset still gets fraud.
+    rates = {}
+    for accounts in (1000, 4000):
+        frame = generate(GenerateConfig(accounts=accounts, days=60, seed=5))
+        rates[accounts] = frame["is_fraud"].mean()
+    rates[SMALL.accounts] = small["is_fraud"].mean()
+    assert all(0.003 < r < 0.025 for r in rates.values()), rates
+    assert 0.5 < rates[1000] / rates[4000] < 2.0, rates
+    # Switching a scenario off removes it.
+    quiet = generate(GenerateConfig(accounts=200, days=30, seed=7, card_testing_accounts_per_day=0.0))
+    assert "card_testing" not in set(quiet["scenario"])
+
+
+def test_scenario_summary(busy):
+    summary = scenario_summary(busy)
+    assert summary["scenario"].to_list() == [*SCENARIOS, "all"]
+    rows = summary.filter(pl.col("scenario") != "all")
+    total = summary.filter(pl.col("scenario") == "all").row(0, named=True)
+    assert rows["transactions"].sum() == total["transactions"] == busy.height
+    assert rows["frauds"].sum() == total["frauds"] == busy["is_fraud"].sum()
+    assert total["fraud_share"] == pytest.approx(busy["is_fraud"].mean())
+    assert rows["share"].sum() == pytest.approx(1.0)
+    high = rows.filter(pl.col("scenario") == "compromised_terminal").row(0, named=True)
+    assert high["frauds"] == high["transactions"] > 0
+
+
+def test_invalid_config_is_refused_with_the_field_named():
+    with pytest.raises(ValueError, match="accounts=0"):
+        GenerateConfig(accounts=0)
+    with pytest.raises(ValueError, match="takeover_days_min=9 > takeover_days_max=4"):
+        GenerateConfig(takeover_days_min=9, takeover_days_max=4)
+    with pytest.raises(ValueError, match="drift_account_fraction"):
+        GenerateConfig(drift_account_fraction=1.5)
+
+
+@pytest.mark.slow
+def test_handbook_size_is_fast():
+    started = time.perf_counter()
+    frame = generate(GenerateConfig(accounts=5000, days=180, seed=0))
+    elapsed = time.perf_counter() - started
+    assert elapsed < 60, f"5000 accounts x 180 days took {elapsed:.1f} s"
+    assert 1_500_000 < frame.height < 2_100_000
+    assert 0.005 < frame["is_fraud"].mean() < 0.015

@@ -1,0 +1,117 @@
+"""The comparison: two tiny trained models (a sequence detector and a baseline) in one MLflow store."""
+
+import mlflow
+import polars as pl
+import pytest
+
+from pipeline.cli.commands import run_generate
+from pipeline.data.generate import GenerateConfig
+from pipeline.evaluation.backtest import BacktestConfig, backtest
+from pipeline.evaluation.compare import compare
+from pipeline.registry.tracking import configure_tracking
+from pipeline.training.config import load_train_config
+from pipeline.training.train import train
+
+PLOTS = (
+    "pr_curves.png",
+    "cp_at_100_per_day.png",
+    "alert_budget.png",
+    "ap_vs_state_bytes.png",
+    "comparison.csv",
+)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    # Fraud rates above the defaults, so a month of 120 accounts has frauds to learn and to test on.
+    busy = GenerateConfig(
+        accounts=120,
+        days=30,
+        seed=4,
+        compromised_accounts_per_day=40.0,
+        card_testing_accounts_per_day=20.0,
+        takeover_accounts_per_day=10.0,
+        compromised_terminals_per_day=10.0,
+    )
+    run_generate(busy, root / "data")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        configure_tracking()  # an earlier test's set_tracking_uri would otherwise win over the variable
+        results = {}
+        for model in ("lstm", "logreg"):
+            cfg = load_train_config(
+                root / "data",
+                None,
+                [
+                    "max_epochs=1",
+                    "chunk_events=16",
+                    "batch_accounts=32",
+                    "test_days=5",
+                    "delay_days=3",
+                    "validation_days=4",
+                    "progress_bar=false",
+                    "model_config.d_model=8",
+                    "model_config.num_layers=1",
+                ]
+                if model == "lstm"
+                else ["test_days=5", "delay_days=3", "progress_bar=false"],
+                model=model,
+                out_dir=root / "runs",
+            )
+            results[model] = train(cfg)
+        yield root, results, patch
+
+
+@pytest.mark.slow
+def test_compare_tabulates_every_model_run_and_logs_its_plots(trained):
+    root, results, _ = trained
+    lstm, logreg = results["lstm"], results["logreg"]
+    # A two-fold backtest of the LSTM: its quality columns become the fold mean with a std.
+    report = backtest(
+        BacktestConfig(
+            data=root / "data", model_uri=lstm.model_uri, folds=2, k=100, test_period=None, progress_bar=False
+        )
+    )
+    assert report.run_id == lstm.run_id
+
+    table = compare(out=root / "comparison", data=root / "data")
+    assert set(table["model"]) == {"lstm", "logreg"}  # the backtest's run is the LSTM's own, not a new row
+    assert table["test/ap"].to_list() == sorted(table["test/ap"].to_list(), reverse=True)
+    row = {r["model"]: r for r in table.iter_rows(named=True)}
+    assert row["logreg"]["ap"] == pytest.approx(logreg.metrics["test/ap"])
+    assert row["logreg"]["auc"] == pytest.approx(logreg.metrics["test/auc"])
+    assert row["logreg"]["cp_at_100_std"] is None and row["logreg"]["family"] == "baseline"
+    assert row["logreg"]["state_bytes_per_account"] is None
+    assert row["lstm"]["ap"] == pytest.approx(report.summary["ap"][0])
+    assert row["lstm"]["ap_std"] == pytest.approx(report.summary["ap"][1])
+    assert row["lstm"]["evaluated"] == "backtest, 2 folds"
+    for column, key in (
+        ("parallel_vs_recurrent_max_abs", "test/parallel_vs_recurrent_max_abs"),
+        ("state_bytes_per_account", "model/state_bytes_per_account"),
+        ("step_us_per_event", "model/step_us_per_event"),
+    ):
+        assert row["lstm"][column] == pytest.approx(lstm.metrics[key])
+    assert row["lstm"]["train_seconds"] > 0
+
+    for name in PLOTS:
+        assert (root / "comparison" / name).stat().st_size > 0
+    runs = mlflow.search_runs(
+        experiment_names=["txsentinel"], filter_string="tags.run_type = 'comparison'", output_format="list"
+    )
+    assert len(runs) == 1
+    logged = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id, "comparison")}
+    assert {f"comparison/{name}" for name in PLOTS} <= logged
+
+
+def test_compare_sorts_costs_smallest_first_and_names_unknown_metrics(trained):
+    root, _, _ = trained
+    table = compare(metric="train/seconds", out=root / "by_time")
+    seconds = table["train/seconds"].to_list()
+    assert seconds == sorted(seconds)
+    with pytest.raises(ValueError, match="no run of 'txsentinel' has metric 'test/nope'"):
+        compare(metric="test/nope")
+    with pytest.raises(ValueError, match="no MLflow experiment 'elsewhere'"):
+        compare(experiment="elsewhere")
+    assert isinstance(table, pl.DataFrame)

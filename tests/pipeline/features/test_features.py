@@ -1,0 +1,333 @@
+"""The feature definitions, and the specifications that batch and stream (bounded state) agree and that the
+batch form's compiled kernels equal its polars/numpy reference bit for bit."""
+
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import polars as pl
+import pytest
+
+from pipeline.data.generate import GenerateConfig, generate
+from pipeline.features import (
+    FEATURE_NAMES,
+    EventBatch,
+    LabelBatch,
+    StreamingFeaturizer,
+    compute_features,
+    raw_aggregates,
+    replay_batches,
+)
+from pipeline.features.batch_reference import raw_aggregates_reference
+from pipeline.features.definitions import DAY_US, RAW_FIELDS, derive_features, feature_matrix
+
+T0 = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday
+
+
+def frame_of(rows: list[tuple]) -> pl.DataFrame:
+    """rows: (event_id, account, terminal, ts, amount, is_fraud, label_ts)."""
+    return pl.DataFrame(
+        rows,
+        schema={
+            "event_id": pl.String,
+            "account_id": pl.String,
+            "terminal_id": pl.String,
+            "ts": pl.Datetime("us", "UTC"),
+            "amount": pl.Float64,
+            "is_fraud": pl.Boolean,
+            "label_ts": pl.Datetime("us", "UTC"),
+        },
+        orient="row",
+    )
+
+
+def stream_raw(frame: pl.DataFrame, batch_events: int) -> dict[str, np.ndarray]:
+    featurizer = StreamingFeaturizer()
+    parts = [featurizer.raw_aggregates(e, labels) for e, labels in replay_batches(frame, batch_events)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+@pytest.fixture(scope="module")
+def generated() -> pl.DataFrame:
+    frame = generate(GenerateConfig(accounts=700, days=75, seed=11)).sort("ts", "event_id")
+    assert frame.height >= 50_000, frame.height
+    return frame
+
+
+# -- definitions, by hand ------------------------------------------------------------------------------
+
+
+def test_windows_are_whole_utc_days_including_the_event():
+    day = timedelta(days=1)
+    frame = frame_of(
+        [
+            ("e1", "a", "t", T0, 10.0, False, T0 + 7 * day),
+            ("e2", "a", "t", T0 + 6 * day + timedelta(hours=23), 20.0, False, T0 + 14 * day),
+            (
+                "e3",
+                "a",
+                "t",
+                T0 + 7 * day,
+                40.0,
+                False,
+                T0 + 14 * day,
+            ),  # day 7: e1 (day 0) leaves the 7d window
+            ("e4", "a", "t", T0 + 7 * day + timedelta(seconds=1), 80.0, False, T0 + 14 * day),
+        ]
+    )
+    raw = raw_aggregates(frame)
+    assert raw["account_count_1d"].tolist() == [1, 1, 1, 2]
+    assert raw["account_count_7d"].tolist() == [1, 2, 2, 3]
+    assert raw["account_count_30d"].tolist() == [1, 2, 3, 4]
+    assert raw["account_amount_7d"].tolist() == pytest.approx([10.0, 30.0, 60.0, 140.0])
+    assert raw["prev_count"].tolist() == [0, 1, 2, 3]
+    assert raw["gap_s"].tolist() == pytest.approx([0.0, 6 * 86400 + 23 * 3600, 3600, 1])
+    assert raw["terminal_seen"].tolist() == [0, 1, 1, 1]
+    assert raw["terminal_count_7d"].tolist() == [1, 2, 2, 3]
+
+
+def test_terminal_reports_use_only_labels_known_at_the_event():
+    hour = timedelta(hours=1)
+    frame = frame_of(
+        [
+            ("f1", "x", "t", T0, 500.0, True, T0 + 5 * hour),  # fraud, reported 5 h later
+            ("e1", "y", "t", T0 + 4 * hour, 10.0, False, T0 + 200 * hour),
+            ("e2", "y", "t", T0 + 5 * hour, 10.0, False, T0 + 200 * hour),  # label_ts == ts: known
+            ("e3", "z", "t", T0 + 30 * hour, 10.0, False, T0 + 200 * hour),  # next day: only 7d/30d see it
+        ]
+    )
+    raw = raw_aggregates(frame)
+    assert raw["terminal_reports_1d"].tolist() == [0, 0, 1, 0]
+    assert raw["terminal_reports_7d"].tolist() == [0, 0, 1, 1]
+    features = compute_features(frame)
+    assert features["terminal_risk_7d"].to_list() == pytest.approx([0, 0, 1 / 4, 1 / 5])
+
+
+def test_derived_features_have_the_documented_meaning():
+    frame = frame_of(
+        [
+            ("e1", "a", "t1", T0 + timedelta(hours=3), 9.0, False, None),  # Monday 03:00: night
+            ("e2", "a", "t2", T0 + timedelta(days=5, hours=12), 99.0, False, None),  # Saturday noon
+        ]
+    )
+    f = compute_features(frame)
+    assert f["is_night"].to_list() == [1.0, 0.0]
+    assert f["is_weekend"].to_list() == [0.0, 1.0]
+    assert f["is_first_event"].to_list() == [1.0, 0.0]
+    assert f["new_terminal"].to_list() == [1.0, 1.0]
+    assert f["log_amount"].to_list() == pytest.approx([np.log(10.0), np.log(100.0)])
+    # Second event: z-score of log-amount against the first, with the prior variance 0.25.
+    assert f["amount_z"][1] == pytest.approx((np.log(100.0) - np.log(10.0)) / 0.5)
+    assert f["hour_cos"][1] == pytest.approx(-1.0)
+    assert list(f.columns[-len(FEATURE_NAMES) - 1 : -1]) == list(FEATURE_NAMES)
+
+
+def test_extreme_but_valid_inputs_stay_finite():
+    rows = [
+        (f"e{i}", "a", "t", T0 + timedelta(microseconds=i), 1e9 if i % 2 else 0.0, False, None)
+        for i in range(50)
+    ]
+    features = compute_features(frame_of(rows))
+    assert np.isfinite(features.select(FEATURE_NAMES).to_numpy()).all()
+
+
+# -- batch kernels == batch reference -------------------------------------------------------------
+
+
+def assert_kernels_equal_reference(frame: pl.DataFrame) -> None:
+    fast, reference = raw_aggregates(frame), raw_aggregates_reference(frame)
+    assert list(fast) == list(reference) == list(RAW_FIELDS)
+    for name in RAW_FIELDS:
+        assert fast[name].dtype == reference[name].dtype, name
+        np.testing.assert_array_equal(fast[name], reference[name], err_msg=name)
+
+
+def test_batch_kernels_equal_the_reference_bit_for_bit(generated):
+    assert generated["is_fraud"].sum() > 100  # fraud reports at many terminals
+    assert_kernels_equal_reference(generated)
+
+
+def test_batch_kernels_equal_the_reference_on_ties_gaps_and_late_labels():
+    day = timedelta(days=1)
+    frame = frame_of(
+        [
+            ("e1", "A", "T1", T0, 10.0, True, T0 + 2 * day),  # label known two days later
+            ("e2", "A", "T1", T0, 0.0, False, None),  # same ts: order by event_id, amount 0
+            ("e3", "B", "T1", T0 + timedelta(seconds=1), 1e9, True, T0 + timedelta(seconds=1)),
+            ("e4", "A", "T2", T0 + 2 * day, 5.5, False, None),  # label of e1 lands at this ts exactly
+            ("e5", "B", "T1", T0 + 40 * day, 3.0, False, None),  # after every window
+            ("e6", "C", "T1", T0 + 40 * day + timedelta(microseconds=1), 7.0, True, None),  # no label_ts
+        ]
+    )
+    assert_kernels_equal_reference(frame)
+    assert_kernels_equal_reference(frame.head(1))
+    assert compute_features(frame.head(0)).height == 0
+
+
+def test_unsorted_input_is_put_in_event_order_first(generated):
+    sample = generated.head(3_000)
+    shuffled = sample.sample(fraction=1.0, shuffle=True, seed=5)
+    assert not shuffled["event_id"].equals(sample["event_id"])
+    assert compute_features(shuffled).equals(compute_features(sample))
+
+
+# -- batch == stream -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_events", [500, 137])
+def test_batch_and_stream_agree_on_a_generated_dataset(generated, batch_events):
+    batch = raw_aggregates(generated)
+    stream = stream_raw(generated, batch_events)
+    assert set(batch) == set(stream)
+    for name in batch:
+        np.testing.assert_allclose(stream[name], batch[name], rtol=0, atol=1e-6, err_msg=name)
+    features_batch = feature_matrix(derive_features(batch))
+    features_stream = feature_matrix(derive_features(stream))
+    assert np.abs(features_batch - features_stream).max() <= 1e-6
+    # The dataset exercises what the features are about: labels known mid-stream, windows that roll over.
+    assert batch["terminal_reports_30d"].max() > 0
+    assert (batch["account_count_30d"] < batch["prev_count"] + 1).any()
+
+
+def test_stream_state_round_trips_through_bytes_mid_stream(generated):
+    batches = list(replay_batches(generated.head(20_000), 500))
+    straight = StreamingFeaturizer()
+    expected = [straight.transform(e, labels)[0] for e, labels in batches]
+
+    resumed = StreamingFeaturizer()
+    got = [resumed.transform(e, labels)[0] for e, labels in batches[:17]]
+    data = resumed.to_bytes()
+    resumed = StreamingFeaturizer.from_bytes(data)
+    got += [resumed.transform(e, labels)[0] for e, labels in batches[17:]]
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(expected))
+    assert resumed.to_bytes() == straight.to_bytes()
+
+
+def test_one_account_state_moves_between_featurizers_as_bytes(generated):
+    head, tail = generated.head(10_000), generated.slice(10_000, 2_000)
+    source = StreamingFeaturizer()
+    for e, labels in replay_batches(head, 500):
+        source.transform(e, labels)
+    account = tail["account_id"][0]
+    account_rows = tail.filter(pl.col("account_id") == account)
+    target = StreamingFeaturizer()
+    target.accounts.put_bytes(account, source.accounts.get_bytes(account))
+    for terminal in source.terminals:
+        target.terminals.put_bytes(terminal, source.terminals.get_bytes(terminal))
+    event = EventBatch(
+        account_rows["account_id"].to_list(),
+        account_rows["terminal_id"].to_list(),
+        account_rows["ts"].dt.epoch("us").to_numpy(),
+        account_rows["amount"].to_numpy(),
+    )
+    expected = raw_aggregates(pl.concat([head, account_rows]).sort("ts", "event_id"))
+    got = target.raw_aggregates(event)
+    assert got["prev_count"][0] == expected["prev_count"][-len(account_rows)] > 0
+    np.testing.assert_allclose(
+        got["account_amount_30d"], expected["account_amount_30d"][-len(account_rows) :]
+    )
+
+
+def terminal_records(featurizer: StreamingFeaturizer) -> dict[str, bytes]:
+    return {t: featurizer.terminals.get_bytes(t) for t in featurizer.terminals}
+
+
+def test_terminal_state_is_the_same_whatever_order_and_split_the_events_are_folded_in(generated):
+    """The scoring service merges instances' terminal counts on this: events and fraud labels folded in
+    time order, or shuffled, in other batch sizes, and split across two featurizers whose journals are
+    redone into one, give the same terminal records bit for bit."""
+    frame = generated.head(20_000)
+    in_order = StreamingFeaturizer()
+    for events, labels in replay_batches(frame, 500):
+        in_order.transform(events, labels)
+
+    rng = np.random.default_rng(5)
+    rows = frame[rng.permutation(frame.height)]  # many events arrive days late for their terminal
+    # The labels replay_batches hands out: those known by the last event.
+    fraud = rows.filter(pl.col("is_fraud") & (pl.col("label_ts") <= frame["ts"].max()))
+    halves = [StreamingFeaturizer(), StreamingFeaturizer()]
+    for half in halves:
+        half.terminal_journal = []
+    for start in range(0, rows.height, 333):
+        part = rows.slice(start, 333)
+        half = halves[(start // 333) % 2]
+        half.transform(
+            EventBatch(
+                part["account_id"].to_list(),
+                part["terminal_id"].to_list(),
+                part["ts"].dt.epoch("us").to_numpy(),
+                part["amount"].to_numpy(),
+            )
+        )
+    labels = LabelBatch(
+        fraud["terminal_id"].to_list(),
+        fraud["label_ts"].dt.epoch("us").to_numpy(),
+        np.ones(fraud.height, bool),
+    )
+    halves[1].observe_labels(labels)
+    merged = StreamingFeaturizer()
+    for half in reversed(halves):
+        merged.apply_terminal_ops(half.take_terminal_journal())
+
+    late = rows["ts"].dt.epoch("us").to_numpy() // DAY_US < np.maximum.accumulate(
+        rows["ts"].dt.epoch("us").to_numpy() // DAY_US
+    )
+    assert late.mean() > 0.5 and fraud.height > 0  # the shuffle does bring late events; labels are in
+    assert terminal_records(merged) == terminal_records(in_order)
+
+
+def test_state_snapshot_of_another_version_is_refused():
+    data = bytearray(StreamingFeaturizer().to_bytes())
+    data[4] = 99  # state version
+    with pytest.raises(ValueError, match="state v99"):
+        StreamingFeaturizer.from_bytes(bytes(data))
+
+
+def test_late_event_in_the_stream_is_featurized_without_going_back_in_time():
+    featurizer = StreamingFeaturizer()
+    ts = np.array([10 * DAY_US, 12 * DAY_US, 11 * DAY_US])  # third event arrives late
+    raw = featurizer.raw_aggregates(EventBatch(["a"] * 3, ["t"] * 3, ts, np.array([1.0, 2.0, 3.0])))
+    assert raw["gap_s"].tolist() == [0.0, 2 * 86400.0, 0.0]  # clipped, not negative
+    assert raw["account_count_1d"].tolist() == [1, 1, 2]  # its window ends on the newest day seen
+
+
+def test_labels_between_batches_are_applied_by_observe_labels():
+    featurizer = StreamingFeaturizer()
+    featurizer.observe_labels(LabelBatch(["t"], np.array([DAY_US]), np.array([True])))
+    raw = featurizer.raw_aggregates(EventBatch(["a"], ["t"], np.array([DAY_US + 1]), np.array([1.0])))
+    assert raw["terminal_reports_1d"].tolist() == [1]
+
+
+# -- nothing from the future ---------------------------------------------------------------------------
+
+
+def test_features_do_not_see_later_events_or_later_labels(generated):
+    cutoff = generated["ts"].min() + timedelta(days=40)
+    full = compute_features(generated)
+    # Remove every later event, and flip every label that became known after the cutoff.
+    past = generated.filter(pl.col("ts") < cutoff).with_columns(
+        pl.when(pl.col("label_ts") > cutoff)
+        .then(~pl.col("is_fraud"))
+        .otherwise(pl.col("is_fraud"))
+        .alias("is_fraud")
+    )
+    truncated = compute_features(past)
+    full_past = full.filter(pl.col("ts") < cutoff)
+    assert truncated["event_id"].to_list() == full_past["event_id"].to_list()
+    np.testing.assert_array_equal(
+        truncated.select(FEATURE_NAMES).to_numpy(), full_past.select(FEATURE_NAMES).to_numpy()
+    )
+
+
+def test_state_written_in_a_batch_that_grows_the_tables_is_not_lost():
+    # 1,100 fraud labels at terminals never seen before grow the terminal table past its initial capacity in
+    # the middle of a batch; what the batch writes must land in the grown table.
+    featurizer = StreamingFeaturizer()
+    label_terminals = [f"L{i}" for i in range(1_100)]
+    labels = LabelBatch(label_terminals, np.full(1_100, DAY_US), np.ones(1_100, bool))
+    featurizer.transform(EventBatch(["a"], ["t0"], np.array([DAY_US + 5]), np.array([3.0])), labels)
+    record = np.frombuffer(featurizer.terminals.get_bytes("t0"), dtype=featurizer.terminals.dtype)[0]
+    assert record["day_count"].sum() == 1
+    reported = np.frombuffer(featurizer.terminals.get_bytes("L1099"), dtype=featurizer.terminals.dtype)[0]
+    assert reported["report_count"].sum() == 1
+    raw = featurizer.raw_aggregates(EventBatch(["b"], ["t0"], np.array([DAY_US + 9]), np.array([3.0])))
+    assert raw["terminal_count_1d"].tolist() == [2]

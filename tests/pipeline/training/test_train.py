@@ -1,0 +1,158 @@
+"""Training end to end on CPU: Lightning, MLflow tracking and registry, the loader in a fresh process."""
+
+import json
+import subprocess
+import sys
+
+import mlflow
+import numpy as np
+import polars as pl
+import pytest
+
+from pipeline.cli.commands import run_generate
+from pipeline.data.generate import GenerateConfig
+from pipeline.evaluation.plots import SCORES_ARTIFACT
+from pipeline.registry.tracking import load_model, promote
+from pipeline.training.config import load_train_config
+from pipeline.training.train import train
+
+TINY = {"model_config": {"d_model": 8, "num_layers": 1, "dropout": 0.0}}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    run_generate(GenerateConfig(accounts=250, days=45, seed=2), root / "data")
+    return root
+
+
+@pytest.fixture
+def tracking(workspace, monkeypatch):
+    monkeypatch.chdir(workspace)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
+    return workspace
+
+
+def config(workspace, model: str, *overrides: str):
+    return load_train_config(
+        workspace / "data",
+        None,
+        [
+            "max_epochs=2",
+            "chunk_events=16",
+            "batch_accounts=32",
+            "test_days=7",
+            "progress_bar=false",
+            *overrides,
+        ],
+        model=model,
+        out_dir=workspace / "runs",
+    )
+
+
+@pytest.mark.slow
+def test_train_logs_metrics_registers_a_model_that_loads_and_scores_the_same_elsewhere(tracking, capsys):
+    cfg = config(tracking, "lstm", "model_config.d_model=8", "model_config.num_layers=1")
+    result = train(cfg)
+    for key in (
+        "test/auc",
+        "test/ap",
+        "test/cp_at_100",
+        "test/parallel_vs_recurrent_max_abs",
+        "model/state_bytes_per_account",
+        "model/step_us_per_event",
+    ):
+        assert key in result.metrics, key
+    assert result.metrics["test/parallel_vs_recurrent_max_abs"] < 1e-4
+    assert 0.5 < result.metrics["test/auc"] <= 1.0
+
+    run = mlflow.get_run(result.run_id)
+    assert run.data.params["model"] == "lstm" and run.data.params["model.d_model"] == "8"
+    assert "val/ap" in run.data.metrics  # per-epoch validation metric from Lightning
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(result.run_id, "plots")}
+    assert {"plots/pr_curve.png", "plots/cp_at_k_per_day.png"} <= artifacts
+
+    assert 0 < result.metrics["val/threshold"] < 1
+    assert result.metrics["val/alerts_per_day"] >= 1
+
+    # Promote, then load through the alias in a fresh process that never imports the training code.
+    assert promote("champion", "txsentinel", run_id=result.run_id) == result.version
+    assert "alerts/day on validation" in capsys.readouterr().out
+    logged = pl.read_parquet(
+        mlflow.artifacts.download_artifacts(run_id=result.run_id, artifact_path=SCORES_ARTIFACT)
+    )
+    account = logged["account_id"][0]
+    script = f"""
+import json, sys, numpy as np, polars as pl
+from pipeline.registry.tracking import load_model
+from pipeline.data.dataset import read_dataset
+from pipeline.features import compute_features
+from pipeline.training.sequences import build_sequences
+from pipeline.training.diagnostics import account_inputs
+model = load_model("models:/txsentinel@champion")
+assert 0 < model.meta["threshold"] < 1
+frame = read_dataset("data")
+seqs = build_sequences(compute_features(frame).filter(pl.col("account_id") == {account!r}), model.spec, None)
+scores, _ = model.detector(account_inputs(seqs, 0)[None])
+assert "lightning" not in " ".join(sys.modules), "the loader pulled in Lightning"
+import mlflow, torch  # the same model through MLflow's generic pyfunc face: one account's rows -> probabilities
+pyfunc = mlflow.pyfunc.load_model("models:/txsentinel@champion").predict(account_inputs(seqs, 0).numpy())
+np.testing.assert_allclose(pyfunc, torch.sigmoid(scores[0]).detach().numpy(), atol=1e-6)
+print(json.dumps({{"event_ids": seqs.event_ids.tolist(), "scores": scores[0].tolist()}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    fresh = json.loads(out.stdout.strip().splitlines()[-1])
+    fresh_scores = dict(zip(fresh["event_ids"], fresh["scores"], strict=True))
+    expected = logged.filter(pl.col("account_id") == account)
+    got = np.array([fresh_scores[e] for e in expected["event_id"]])
+    np.testing.assert_allclose(got, expected["score"].to_numpy(), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_baseline_logs_the_same_test_metrics_to_the_same_experiment(tracking):
+    result = train(config(tracking, "logreg"))
+    assert {"test/auc", "test/ap", "test/cp_at_100"} <= set(result.metrics)
+    run = mlflow.get_run(result.run_id)
+    assert run.data.tags["model_family"] == "baseline"
+
+
+def test_loader_refuses_an_artifact_of_another_state_version(tmp_path):
+    from models.registry import build_detector
+    from pipeline.features.definitions import FEATURE_NAMES
+    from pipeline.features.spec import FeatureSpec
+    from pipeline.registry.artifact import save_model_dir
+
+    detector = build_detector("linear_transformer", {"d_model": 8, "num_layers": 1, "num_heads": 2})
+    spec = FeatureSpec(mean=(0.0,) * len(FEATURE_NAMES), std=(1.0,) * len(FEATURE_NAMES))
+    model_dir = save_model_dir(tmp_path / "model", detector, spec, {})
+    assert load_model(str(model_dir)).name == "linear_transformer"
+    described = json.loads((model_dir / "detector.json").read_text())
+    (model_dir / "detector.json").write_text(json.dumps({**described, "state_version": 99}))
+    with pytest.raises(ValueError, match="state version 99"):
+        load_model(str(model_dir))
+
+
+def test_train_config_precedence_and_errors(tmp_path):
+    (tmp_path / "c.yaml").write_text("max_epochs: 5\nmodel_config: {d_model: 32}\n")
+    cfg = load_train_config(
+        tmp_path, tmp_path / "c.yaml", ["max_epochs=7", "model_config.num_layers=3"], model="lstm"
+    )
+    assert (cfg.max_epochs, cfg.model, cfg.model_config) == (7, "lstm", {"d_model": 32, "num_layers": 3})
+    with pytest.raises(ValueError, match=r"unknown train setting\(s\) \['epochs'\]"):
+        load_train_config(tmp_path, None, ["epochs=3"])
+    with pytest.raises(ValueError, match="expected key=value"):
+        load_train_config(tmp_path, None, ["max_epochs"])
+
+
+def test_threshold_raises_the_alert_budget_on_validation():
+    from pipeline.training.thresholds import DAY_US, choose_threshold
+
+    ts = np.repeat(np.arange(4) * DAY_US, 100)  # 4 days x 100 events
+    scores = np.tile(np.linspace(0, 1, 100), 4)
+    fraud = scores > 0.95
+    chosen = choose_threshold(scores, fraud, ts, budget_per_day=10)
+    assert chosen.validation_alerts_per_day == 10
+    assert chosen.value == pytest.approx(np.linspace(0, 1, 100)[90])
+    assert chosen.validation_precision == pytest.approx(5 / 10)
+    with pytest.raises(ValueError, match="alert budget must be > 0"):
+        choose_threshold(scores, fraud, ts, budget_per_day=0)
