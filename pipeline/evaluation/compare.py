@@ -172,7 +172,7 @@ def write_plots(table: pl.DataFrame, client: MlflowClient, out: Path, data: Path
     if data is not None:
         from pipeline.data.dataset import read_dataset
 
-        labels = read_dataset(data).select("account_id", "is_fraud", "label_ts")
+        labels = read_dataset(data).select("account_id", "ts", "is_fraud", "label_ts")
     pr, cp, budget = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for row in table.iter_rows(named=True):

@@ -1,29 +1,48 @@
-"""Detection quality with the Fraud Detection Handbook's protocol (Le Borgne et al., ch. 4).
+"""Detection quality with the Fraud Detection Handbook's protocol (Le Borgne et al., ch. 3 and 4).
 
-Event-level ROC AUC and average precision, and Card Precision@k: on each test day, rank accounts by their
-highest event score of the day, leave out accounts whose fraud was already known before the day started
-and accounts already caught (a fraudulent account in an earlier day's top k), and take the precision of the
-top k. CP@k is the mean over test days.
+The published protocol, exactly: on test day i, the events of every account with a fraud in the training
+week (the `TRAINING_WEEK_DAYS` days before the delay period) or in the delay period's first i days are left
+out, of event ROC AUC and average precision as well as of Card Precision@k. CP@k ranks the remaining
+accounts of each day by their highest event score, drops those already caught (a fraudulent account in an
+earlier day's top k), and takes the precision of the top k; its figure is the mean over test days. A model
+may train on more history; the exclusions still use the training week, so figures compare with the
+published ones.
+
+Beside it, two views a deployment cares about: AUC and AP over every test event (no account left out), and
+CP@k whose exclusions are the frauds whose *label* was known (label_ts) before each day, whenever they
+happened.
 """
 
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
 
 import numpy as np
 import polars as pl
 
-from pipeline.data.splits import Period, ranking_exclusions
+from pipeline.data.splits import DAY, Period, ranking_exclusions
 from pipeline.evaluation.metrics import event_metrics
+
+TRAINING_WEEK_DAYS = 7  # the published protocol's training week, whose frauds' accounts leave the test
+DELAY_DAYS = 7  # its delay period between training and test
+Exclusions = Literal["published", "known_labels"]
+_EXCLUSIONS = {"day": pl.Datetime("us", "UTC"), "account_id": pl.String}
 
 
 @dataclass(frozen=True)
 class DetectionMetrics:
+    """The published protocol's figures, then the deployment views beside them."""
+
     auc: float
     ap: float
     cp_at_k: float
     k: int
-    events: int
+    events: int  # test events the published protocol keeps
     frauds: int
     cp_per_day: tuple[float, ...] = field(default=())
+    all_events_auc: float = float("nan")
+    all_events_ap: float = float("nan")
+    known_labels_cp_at_k: float = float("nan")
 
     def as_dict(self, prefix: str = "test/") -> dict[str, float]:
         return {
@@ -32,30 +51,79 @@ class DetectionMetrics:
             f"{prefix}cp_at_{self.k}": self.cp_at_k,
             f"{prefix}events": float(self.events),
             f"{prefix}frauds": float(self.frauds),
+            f"{prefix}all_events/auc": self.all_events_auc,
+            f"{prefix}all_events/ap": self.all_events_ap,
+            f"{prefix}known_labels/cp_at_{self.k}": self.known_labels_cp_at_k,
         }
 
 
+def published_exclusions(frame: pl.DataFrame, test: Period, delay_days: int = DELAY_DAYS) -> pl.DataFrame:
+    """(day, account_id) pairs the published protocol leaves out: on test day i, every account with a
+    fraudulent event in the training week or in the i days after it (the frauds known `delay_days` before
+    the day; with a test longer than the delay, that reaches into the test's own first days).
+
+    frame: account_id, ts, is_fraud — the dataset (true labels; label times play no part here).
+    """
+    if not {"ts", "is_fraud"} <= set(frame.columns):
+        return pl.DataFrame(schema=_EXCLUSIONS)
+    delay_start = test.start - timedelta(days=delay_days)
+    week_start = delay_start - TRAINING_WEEK_DAYS * DAY
+    first_fraud = (
+        frame.filter(pl.col("is_fraud") & (pl.col("ts") >= week_start) & (pl.col("ts") < test.end))
+        .group_by("account_id")
+        .agg(pl.col("ts").min().alias("first_fraud"))
+    )
+    days = pl.DataFrame({"day": test.day_starts()}, schema={"day": _EXCLUSIONS["day"]})
+    return (
+        days.join(first_fraud, how="cross")
+        .filter(pl.col("first_fraud") < pl.col("day") - timedelta(days=delay_days))
+        .select("day", "account_id")
+        .sort("day", "account_id")
+    )
+
+
+def exclusions_of(
+    frame: pl.DataFrame, test: Period, kind: Exclusions = "published", delay_days: int = DELAY_DAYS
+) -> pl.DataFrame:
+    """(day, account_id) pairs left out of each test day: the published protocol's, or known labels'."""
+    if kind == "published":
+        return published_exclusions(frame, test, delay_days)
+    if kind == "known_labels":
+        if "label_ts" not in frame.columns:  # no label times: no account is known before a test day
+            return pl.DataFrame(schema=_EXCLUSIONS)
+        return ranking_exclusions(frame, test)
+    raise ValueError(f"exclusions {kind!r}: expected 'published' or 'known_labels'")
+
+
+_EVENT_DAY = pl.col("ts").dt.truncate("1d").alias("day")
+
+
 def card_precision_at_k(
-    scored: pl.DataFrame, labels: pl.DataFrame, test: Period, k: int = 100
+    scored: pl.DataFrame,
+    labels: pl.DataFrame,
+    test: Period,
+    k: int = 100,
+    exclusions: Exclusions = "published",
+    delay_days: int = DELAY_DAYS,
 ) -> list[float]:
     """CP@k of each test day.
 
     scored: account_id, ts, score, is_fraud — the events of the test period with their scores.
-    labels: account_id, is_fraud, label_ts — all labels, to know which frauds were known before each day.
+    labels: the dataset (account_id, ts, is_fraud, label_ts), to know which accounts each day leaves out.
     """
-    excluded = ranking_exclusions(labels, test)
+    excluded = exclusions_of(labels, test, exclusions, delay_days)
     daily = (
         scored.filter(test.contains())
-        .with_columns(pl.col("ts").dt.truncate("1d").alias("day"))
+        .with_columns(_EVENT_DAY)
+        .join(excluded, on=["day", "account_id"], how="anti")
         .group_by("day", "account_id")
         .agg(pl.col("score").max(), pl.col("is_fraud").any())
     )
     caught: set[str] = set()
     precisions = []
     for day in test.day_starts():
-        known = set(excluded.filter(pl.col("day") == day)["account_id"].to_list())
         ranked = (
-            daily.filter((pl.col("day") == day) & ~pl.col("account_id").is_in(list(known | caught)))
+            daily.filter((pl.col("day") == day) & ~pl.col("account_id").is_in(list(caught)))
             .sort(["score", "account_id"], descending=[True, False])
             .head(k)
         )
@@ -66,22 +134,30 @@ def card_precision_at_k(
 
 
 def detection_metrics(
-    scored: pl.DataFrame, labels: pl.DataFrame, test: Period, k: int = 100
+    scored: pl.DataFrame, labels: pl.DataFrame, test: Period, k: int = 100, delay_days: int = DELAY_DAYS
 ) -> DetectionMetrics:
-    """All test metrics of one model on one test period (`scored` as in card_precision_at_k)."""
+    """All test metrics of one model on one test period (`scored` and `labels` as in card_precision_at_k)."""
     in_test = scored.filter(test.contains())
     if in_test.height == 0:
         raise ValueError(f"no scored events in the test period {test}")
-    auc, ap = event_metrics(in_test["score"].to_numpy(), in_test["is_fraud"].to_numpy())
-    per_day = card_precision_at_k(in_test, labels, test, k)
+    kept = in_test.with_columns(_EVENT_DAY).join(
+        published_exclusions(labels, test, delay_days), on=["day", "account_id"], how="anti"
+    )
+    auc, ap = event_metrics(kept["score"].to_numpy(), kept["is_fraud"].to_numpy())
+    all_auc, all_ap = event_metrics(in_test["score"].to_numpy(), in_test["is_fraud"].to_numpy())
+    per_day = card_precision_at_k(in_test, labels, test, k, "published", delay_days)
+    known_labels = card_precision_at_k(in_test, labels, test, k, "known_labels")
     return DetectionMetrics(
         auc=auc,
         ap=ap,
         cp_at_k=float(np.mean(per_day)),
         k=k,
-        events=in_test.height,
-        frauds=int(in_test["is_fraud"].sum()),
+        events=kept.height,
+        frauds=int(kept["is_fraud"].sum()),
         cp_per_day=tuple(per_day),
+        all_events_auc=all_auc,
+        all_events_ap=all_ap,
+        known_labels_cp_at_k=float(np.mean(known_labels)),
     )
 
 
@@ -120,5 +196,6 @@ __all__ = [
     "card_precision_at_k",
     "detection_metrics",
     "event_metrics",
+    "published_exclusions",
     "scenario_metrics",
 ]

@@ -63,7 +63,7 @@ def train_baseline(cfg: TrainConfig):
         scores = model.predict_proba(spec.matrix(test))[:, 1]
     train_seconds = time.perf_counter() - started
     scored = test.select("event_id", "account_id", "ts", "is_fraud").with_columns(pl.Series("score", scores))
-    metrics = detection_metrics(scored, frame, split.test, cfg.cp_k)
+    metrics = detection_metrics(scored, frame, split.test, cfg.cp_k, cfg.delay_days)
 
     configure_tracking()
     mlflow.set_experiment(cfg.experiment)

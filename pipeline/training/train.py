@@ -159,7 +159,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
         detector = module.detector.cpu().eval()
         scored = _scored_events(test_seqs, module.scores["test"])
-        metrics = detection_metrics(scored, frame, split.test, cfg.cp_k)
+        metrics = detection_metrics(scored, frame, split.test, cfg.cp_k, cfg.delay_days)
         results = metrics.as_dict()
         results.update(scenario_metrics(scored, frame))
         results["test/parallel_vs_recurrent_max_abs"] = parallel_vs_recurrent_error(detector, test_seqs)

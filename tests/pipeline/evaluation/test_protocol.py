@@ -7,7 +7,12 @@ import polars as pl
 import pytest
 
 from pipeline.data.splits import Period
-from pipeline.evaluation.protocol import card_precision_at_k, detection_metrics, event_metrics
+from pipeline.evaluation.protocol import (
+    card_precision_at_k,
+    detection_metrics,
+    event_metrics,
+    published_exclusions,
+)
 
 
 def utc(day: int, hour: int = 12) -> datetime:
@@ -59,11 +64,20 @@ def test_cp_at_k_ranks_accounts_by_their_best_event_and_drops_known_and_caught_a
             "label_ts": [utc(9), utc(2, 20), utc(9)],
         }
     )
-    assert card_precision_at_k(events, labels, test, k=2) == [0.5, 0.5]
+    assert card_precision_at_k(events, labels, test, k=2, exclusions="known_labels") == [0.5, 0.5]
     metrics = detection_metrics(events, labels, test, k=2)
-    assert metrics.cp_at_k == 0.5
+    assert metrics.known_labels_cp_at_k == 0.5
     assert metrics.events == 8 and metrics.frauds == 5
-    assert set(metrics.as_dict()) == {"test/auc", "test/ap", "test/cp_at_2", "test/events", "test/frauds"}
+    assert set(metrics.as_dict()) == {
+        "test/auc",
+        "test/ap",
+        "test/cp_at_2",
+        "test/events",
+        "test/frauds",
+        "test/all_events/auc",
+        "test/all_events/ap",
+        "test/known_labels/cp_at_2",
+    }
 
 
 def test_metrics_refuse_an_empty_test_period():
@@ -73,3 +87,65 @@ def test_metrics_refuse_an_empty_test_period():
             scored([]).select("account_id"),
             Period.parse("2026-01-05:2026-01-06"),
         )
+
+
+def protocol_dataset(rows) -> pl.DataFrame:
+    return pl.DataFrame(
+        rows,
+        schema={"account_id": pl.String, "ts": pl.Datetime("us", "UTC"), "is_fraud": pl.Boolean},
+        orient="row",
+    )
+
+
+def test_published_exclusions_are_the_training_week_then_one_more_delay_day_per_test_day():
+    # Test 16-18 Jan, delay 7 days (9-15 Jan), so the training week is 2-8 Jan.
+    test = Period.parse("2026-01-16:2026-01-19")
+    frame = protocol_dataset(
+        [
+            ("week", utc(5), True),  # fraud in the training week: out on every test day
+            ("old", utc(1), True),  # fraud before the training week: stays in
+            ("d0", utc(9), True),  # fraud on the delay's first day: known from test day 1 on
+            ("d1", utc(10), True),  # fraud on the delay's second day: known from test day 2 on
+            ("late", utc(15), True),  # fraud on the delay's last day: known only after this test
+            ("legit", utc(5), False),
+        ]
+    )
+    out = published_exclusions(frame, test, delay_days=7)
+    day = {i: datetime(2026, 1, 16 + i, tzinfo=UTC) for i in range(3)}
+    assert out.rows() == [
+        (day[0], "week"),
+        (day[1], "d0"),
+        (day[1], "week"),
+        (day[2], "d0"),
+        (day[2], "d1"),
+        (day[2], "week"),
+    ]
+
+
+def test_published_metrics_leave_the_excluded_accounts_out_of_auc_ap_and_cp():
+    test = Period.parse("2026-01-16:2026-01-18")
+    history = protocol_dataset([("week", utc(5), True), ("d0", utc(9), True)])
+    events = scored(
+        [
+            ("week", utc(16), 0.99, True),  # excluded: its fraud is in the training week
+            ("d0", utc(16), 0.10, True),  # kept on day 0, excluded on day 1
+            ("d0", utc(17), 0.98, True),
+            ("a", utc(16), 0.90, False),
+            ("b", utc(17), 0.80, True),
+            ("c", utc(17), 0.20, False),
+        ]
+    )
+    frame = pl.concat([history, events.select("account_id", "ts", "is_fraud")])
+    metrics = detection_metrics(events, frame, test, k=1, delay_days=7)
+    kept = events.filter(
+        ~((pl.col("account_id") == "week") | ((pl.col("account_id") == "d0") & (pl.col("ts") >= utc(17, 0))))
+    )
+    assert metrics.events == kept.height == 4
+    assert metrics.frauds == 2
+    auc, ap = event_metrics(kept["score"].to_numpy(), kept["is_fraud"].to_numpy())
+    assert (metrics.auc, metrics.ap) == (auc, ap)
+    # day 0: a (legit, 0.90) tops d0 (0.10); day 1: b (0.80) tops c; d0's 0.98 is left out.
+    assert metrics.cp_per_day == (0.0, 1.0)
+    all_auc, all_ap = event_metrics(events["score"].to_numpy(), events["is_fraud"].to_numpy())
+    assert (metrics.all_events_auc, metrics.all_events_ap) == (all_auc, all_ap)
+    assert metrics.ap != metrics.all_events_ap
