@@ -1,0 +1,59 @@
+"""`bench quality --quick`: every model trained and tested on one dataset, one table, every run in JSON."""
+
+import json
+import math
+from datetime import UTC, datetime
+
+import pytest
+
+from pipeline.bench.quality import COLUMNS, QualityConfig, Run, prequential_weeks, quality_table, run_quality
+from pipeline.data.splits import Period
+
+
+def test_test_weeks_are_the_last_full_week_then_each_earlier_one():
+    weeks = prequential_weeks(Period.parse("2026-01-01:2026-03-01"), folds=3)
+    assert [w.start for w in weeks] == [datetime(2026, 2, d, tzinfo=UTC) for d in (22, 15, 8)]
+    assert all(w.days == 7 for w in weeks)
+
+
+@pytest.mark.slow
+def test_quick_bench_trains_each_model_per_seed_and_fold_and_tabulates_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = QualityConfig.quick(models=("lstm", "logreg"), seeds=2, folds=2, out=tmp_path / "quality")
+    table, runs = run_quality(cfg)
+
+    # 2 seeds x 2 folds for the detector, 1 x 2 for the baseline; each fold tests its own week.
+    assert sorted((r.model, r.seed, r.fold) for r in runs) == [
+        ("logreg", 0, 0), ("logreg", 0, 1),
+        ("lstm", 0, 0), ("lstm", 0, 1), ("lstm", 1, 0), ("lstm", 1, 1),
+    ]  # fmt: skip
+    assert len({r.test_period for r in runs}) == 2
+    for run in runs:
+        assert 0.0 <= run.metrics["test/ap"] <= 1.0
+        assert run.metrics["train/seconds"] > 0
+    assert table["model"].to_list() == ["lstm", "logreg"]
+    assert table["runs"].to_list() == [4, 2]
+    assert set(table.columns) == {"model", "runs", *(name for name, _ in COLUMNS)}
+    assert "+-" in table.row(0, named=True)["ap"]  # several runs: mean +- std
+
+    saved = json.loads((tmp_path / "quality" / "quality.json").read_text())
+    assert len(saved["runs"]) == len(runs)
+    assert saved["runs"][0]["metrics"]["test/ap"] == runs[0].metrics["test/ap"]
+
+
+def test_table_cells_are_means_and_leave_missing_metrics_blank():
+    runs = [
+        Run("lstm", 0, 0, "p", {"test/ap": 0.5, "train/seconds": 10.0}),
+        Run("lstm", 1, 0, "p", {"test/ap": 0.7, "train/seconds": 12.0, "test/auc": math.nan}),
+    ]
+    row = quality_table(runs, ("lstm",)).row(0, named=True)
+    assert row["ap"] == "0.600 +-0.141"
+    assert row["train s"] == "11 +-1"
+    assert row["auc"] == "-"
+
+
+def test_unknown_models_and_empty_counts_are_refused():
+    with pytest.raises(ValueError, match="unknown model"):
+        QualityConfig(models=("gbm",))
+    with pytest.raises(ValueError, match="seeds = 0"):
+        QualityConfig(seeds=0)
