@@ -252,7 +252,9 @@ def prepared(tmp_path_factory) -> Workdir:
     return work.stage()
 
 
+# The module's training (the `prepared` fixture) counts in the time of whichever test runs first.
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_doc_commands_run_as_written_without_a_broker(prepared):
     work = prepared.stage()
     tmp_path, env = work.path, work.env
@@ -322,6 +324,7 @@ def serve_and_stream(words: list[str], prefix: str, work: Workdir, kafka_bootstr
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_doc_commands_run_as_written_on_the_broker(prepared, kafka_bootstrap):
     work = prepared.stage()
     tmp_path, env = work.path, work.env
