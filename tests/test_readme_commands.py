@@ -1,9 +1,14 @@
-"""Every command README.md shows, run as written (at smaller sizes) or pointed at the test that runs it.
+"""Every command README.md and docs/*.md show, run as written (at smaller sizes) or pointed at the test that runs it.
 
-The README is the spec a newcomer copies from, so the commands are read out of README.md itself — the lines
-of its ```bash blocks and its inline `txsentinel ...` spans — and a rename of a flag or a subcommand there
-without the code (or the reverse) fails here. SHRINK lists the only edits made before running them: sizes,
-placeholders a reader fills in (RUN_ID), and the test broker's address.
+The README and the docs are the spec a person copies from, so the commands are read out of them — the lines
+of their ```bash blocks and their inline `txsentinel ...` spans — and a rename of a flag or a subcommand there
+without the code (or the reverse) fails here. A command shown on several pages runs once. SHRINK lists the
+only edits made before running them: sizes, placeholders a reader fills in (RUN_ID), and the test broker's
+address.
+
+The run is split by what it needs: the `prepared` fixture generates, ingests and trains once; one test runs
+the commands that need no broker, another those that do (the broker script, serve, the stream bench), so
+`pytest -m "not kafka"` still runs everything that can run without Kafka.
 """
 
 import json
@@ -25,6 +30,7 @@ from consumers.runtime.metrics import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 # Commands a test elsewhere runs; each entry names that test, which must exist and mention the command.
 COVERED_ELSEWHERE = {
@@ -46,10 +52,10 @@ SHRINK = [
 ]
 
 
-def readme_commands() -> list[str]:
-    """The runnable commands: lines of README.md's ```bash blocks (continuations joined, comments cut)."""
+def bash_commands(path: Path) -> list[str]:
+    """The runnable commands of one page: lines of its ```bash blocks (continuations joined, comments cut)."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
             if line and not line.startswith("#"):
@@ -57,10 +63,24 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def readme_mentions() -> list[str]:
-    """Inline `txsentinel ...` spans of the prose (e.g. `txsentinel serve --config FILE`): forms, not runs."""
-    prose = re.sub(r"```.*?```", "", README.read_text(), flags=re.S)
+def readme_commands() -> list[str]:
+    """The runnable commands of README.md."""
+    return bash_commands(README)
+
+
+def doc_commands() -> list[str]:
+    """The runnable commands of README.md and docs/*.md, each once, in page order."""
+    return list(dict.fromkeys(command for path in DOCS for command in bash_commands(path)))
+
+
+def mentions(path: Path) -> list[str]:
+    """Inline `txsentinel ...` spans of a page's prose (e.g. `txsentinel serve --config FILE`): forms, not runs."""
+    prose = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
     return [span for span in re.findall(r"`([^`\n]+)`", prose) if span.startswith("txsentinel ")]
+
+
+def readme_mentions() -> list[str]:
+    return mentions(README)
 
 
 def subcommand(command: str) -> str:
@@ -72,29 +92,56 @@ def subcommand(command: str) -> str:
     return " ".join(words[: 3 if words[:2] == ["txsentinel", "bench"] else 2])
 
 
-# -- the fast check: nothing in the README goes untested --------------------------------------------------
-# What test_readme_commands_run_as_written runs, by subcommand; kept in step with it.
-RUN_HERE = {
-    "txsentinel generate", "txsentinel ingest", "txsentinel features", "txsentinel train",
-    "txsentinel promote", "mlflow ui", "scripts/gpu_check.sh", "scripts/kafka.sh", "txsentinel serve",
-    "txsentinel backtest", "txsentinel compare", "txsentinel bench features", "txsentinel bench models",
-    "txsentinel bench replay", "txsentinel bench stream",
+# -- the fast checks: nothing in the docs goes untested, no link between them is broken -------------------
+# What the tests below run, by subcommand; kept in step with them.
+PREPARED = {
+    "txsentinel generate", "txsentinel ingest", "txsentinel features", "txsentinel train", "txsentinel promote",
 }  # fmt: skip
+RUN_WITHOUT_BROKER = {
+    "mlflow ui", "scripts/gpu_check.sh", "txsentinel backtest", "txsentinel compare",
+    "txsentinel bench features", "txsentinel bench models", "txsentinel bench replay",
+}  # fmt: skip
+RUN_ON_THE_BROKER = {"scripts/kafka.sh", "txsentinel serve", "txsentinel bench stream"}
+RUN_HERE = PREPARED | RUN_WITHOUT_BROKER | RUN_ON_THE_BROKER
 
 
-def test_every_readme_command_is_run_by_a_test():
-    commands = readme_commands()
-    assert len(commands) >= 15, f"found only {commands}: has the README's layout changed?"
-    for command in commands + readme_mentions():
-        if subcommand(command) in RUN_HERE:
-            continue
-        covered = COVERED_ELSEWHERE.get(subcommand(command))
-        assert covered, f"README command {command!r} is run by no test: add it to test_readme_commands.py"
-        path, mention = covered
-        assert mention in (ROOT / path).read_text(), f"{path} no longer runs {command!r}"
+def test_every_readme_and_docs_command_is_run_by_a_test():
+    commands = doc_commands()
+    assert len(commands) >= 15, f"found only {commands}: has the docs' layout changed?"
+    assert {"make demo", "make test"} <= set(readme_commands()), "README.md lost its two set-up commands"
+    for path in DOCS:
+        for command in bash_commands(path) + mentions(path):
+            if subcommand(command) in RUN_HERE:
+                continue
+            covered = COVERED_ELSEWHERE.get(subcommand(command))
+            page = path.relative_to(ROOT)
+            assert covered, f"{page} command {command!r} is run by no test: add it to test_readme_commands.py"
+            test_path, mention = covered
+            assert mention in (ROOT / test_path).read_text(), f"{test_path} no longer runs {command!r}"
 
 
-# -- the slow check: run them ----------------------------------------------------------------------------
+def anchor(heading: str) -> str:
+    """A heading's link anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_docs_resolves():
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:", target):  # http:, mailto: ...: not ours to check
+                continue
+            file, _, fragment = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            where = f"{path.relative_to(ROOT)} links to {target!r}"
+            assert linked.exists(), f"{where}, which does not exist"
+            if fragment:
+                text = re.sub(r"```.*?```", "", linked.read_text(), flags=re.S)  # a "# comment" is no heading
+                headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+                anchors = [anchor(h) for h in headings]
+                assert fragment in anchors, f"{where}: no such heading; its headings: {anchors}"
+
+
+# -- the slow checks: run them ---------------------------------------------------------------------------
 def shrink(command: str, fill: dict[str, str]) -> list[str]:
     for pattern, replacement in [*SHRINK, *fill.items()]:
         command = re.sub(pattern, replacement, command)
@@ -148,53 +195,71 @@ def stop(proc: subprocess.Popen) -> int:
         raise
 
 
-@pytest.mark.slow
-def test_readme_commands_run_as_written(kafka_bootstrap, tmp_path):
-    from kafka import KafkaAdminClient, KafkaProducer
+class Workdir:
+    """A scratch working directory where the docs' relative paths resolve (configs/..., ./mlflow.db), and
+    the commands of one stage run there: `each(name)` gives the stage its commands and notes it ran them."""
 
-    from consumers.scoring.messages import encode_transaction, transactions_from_frame
+    def __init__(self, path: Path, env: dict[str, str], fill: dict[str, str]):
+        self.path, self.env, self.fill = path, env, fill
+        self.ran: set[str] = set()
 
-    # The README's relative paths (configs/..., scripts/...) resolve in a scratch working directory.
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # README: ./mlflow.db
-    prefix = f"readme-{uuid.uuid4().hex[:8]}-"
-    fill = {
-        r"127\.0\.0\.1:39092": kafka_bootstrap,
-        r"metrics_port=9400": f"metrics_port={free_port()}",
-        r"--group-id txsentinel-scorer": f"--group-id {prefix}scorer --set topic_prefix={prefix}",
-    }
-    commands = [c for c in readme_commands() if subcommand(c) in RUN_HERE]
-    ran = set()
-
-    def each(name: str) -> list[list[str]]:
-        found = [shrink(c, fill) for c in commands if subcommand(c) == name]
-        assert found, f"README has no {name!r} command any more"
-        ran.add(name)
+    def commands(self, name: str) -> list[str]:
+        found = [c for c in doc_commands() if subcommand(c) == name]
+        assert found, f"README.md and docs/ have no {name!r} command any more"
+        self.ran.add(name)
         return found
 
-    for words in each("txsentinel generate"):
+    def each(self, name: str) -> list[list[str]]:
+        return [shrink(c, self.fill) for c in self.commands(name)]
+
+    def stage(self) -> "Workdir":
+        """The same directory for the next stage, with nothing run yet."""
+        return Workdir(self.path, self.env, dict(self.fill))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Workdir:
+    """A dataset generated and ingested, its features, three trained models, the LSTM promoted."""
+    tmp_path = tmp_path_factory.mktemp("docs-commands")
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the docs: ./mlflow.db
+    env["PYTHON"] = sys.executable  # scripts/*.sh: the interpreter the tests run under, like .venv/bin/ above
+    work = Workdir(tmp_path, env, {})
+
+    for words in work.each("txsentinel generate"):
         assert "fraud" in run(words, tmp_path, env)
     write_handbook_csv(tmp_path / "runs" / "data", tmp_path / "transactions.csv")
-    for words in each("txsentinel ingest"):
+    for words in work.each("txsentinel ingest"):
         run(words, tmp_path, env)
     assert (tmp_path / "runs" / "mydata" / "transactions.parquet").exists()
-    for words in each("txsentinel features"):
+    for words in work.each("txsentinel features"):
         run(words, tmp_path, env)
     assert pl.read_parquet(tmp_path / "runs" / "features.parquet").height > 1000
 
     trained = {}
-    for words in each("txsentinel train"):
+    for words in work.each("txsentinel train"):
         if "--config" not in words and "logreg" not in words:
-            words += ["--config", "configs/train/tiny.yaml"]  # the tiny CPU profile under the README's --set
+            words += ["--config", "configs/train/tiny.yaml"]  # the tiny CPU profile under the docs' --set
         out = run(words, tmp_path, env)
         model = words[words.index("--model") + 1]
         trained[model] = re.search(r"\brun ([0-9a-f]{32})\b", out).group(1)  # "trained lstm: run ID, ..."
     assert {"lstm", "linear_transformer", "logreg"} <= set(trained)
-    fill["RUN_ID"] = trained["lstm"]
-    for words in each("txsentinel promote"):
+    work.fill["RUN_ID"] = trained["lstm"]
+    for words in work.each("txsentinel promote"):
         assert "champion" in run(words, tmp_path, env)
 
-    for words in each("mlflow ui"):
+    assert work.ran == PREPARED, f"PREPARED names commands the fixture did not run: {PREPARED - work.ran}"
+    return work.stage()
+
+
+# The module's training (the `prepared` fixture) counts in the time of whichever test runs first.
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_doc_commands_run_as_written_without_a_broker(prepared):
+    work = prepared.stage()
+    tmp_path, env = work.path, work.env
+
+    for words in work.each("mlflow ui"):
         port = free_port()
         ui = subprocess.Popen([*words, "--port", str(port)], cwd=tmp_path, env=env, start_new_session=True)
         try:
@@ -203,21 +268,43 @@ def test_readme_commands_run_as_written(kafka_bootstrap, tmp_path):
             os.killpg(ui.pid, signal.SIGTERM)
             ui.wait(timeout=30)
 
-    for words in each("scripts/gpu_check.sh"):
+    for words in work.each("scripts/gpu_check.sh"):
         run([*words, "--device", "cpu", "--quick"], tmp_path, env)  # no GPU here: its CPU smoke mode
-    for words in each("scripts/kafka.sh"):
-        assert "running" in run(words, tmp_path, env)  # the fixture's broker is up: start finds it
 
-    # serve: stream the last day through the README's serve command, then SIGTERM it.
-    (words,) = each("txsentinel serve")
+    for words in work.each("txsentinel backtest"):
+        run(words, tmp_path, env)
+    assert json.loads((tmp_path / "runs" / "backtest" / "backtest.json").read_text())
+    for words in work.each("txsentinel compare"):
+        assert "lstm" in run(words, tmp_path, env)
+
+    tables = {  # a word of each bench's table
+        "txsentinel bench features": "events/s",
+        "txsentinel bench models": "state B",
+        "txsentinel bench replay": "events/s",
+    }
+    for name, heading in tables.items():
+        for words in work.each(name):
+            assert heading in run(words, tmp_path, env)
+
+    assert work.ran == RUN_WITHOUT_BROKER, (
+        f"RUN_WITHOUT_BROKER names commands this test did not run: {RUN_WITHOUT_BROKER - work.ran}"
+    )
+
+
+def serve_and_stream(words: list[str], prefix: str, work: Workdir, kafka_bootstrap: str) -> None:
+    """Stream the last 300 events through the docs' serve command, wait until all are scored, SIGTERM it."""
+    from kafka import KafkaAdminClient, KafkaProducer
+
+    from consumers.scoring.messages import encode_transaction, transactions_from_frame
+
     metrics_port = int(re.search(r"metrics_port=(\d+)", " ".join(words)).group(1))
-    last = pl.read_parquet(tmp_path / "runs" / "data" / "transactions.parquet").sort("ts").tail(300)
+    last = pl.read_parquet(work.path / "runs" / "data" / "transactions.parquet").sort("ts").tail(300)
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     admin.create_topics({f"{prefix}transactions": {"num_partitions": 3, "replication_factor": 1}})
     admin.close()
-    serve_log = tmp_path / "serve.log"
+    serve_log = work.path / f"{prefix}serve.log"
     with serve_log.open("w") as sink:
-        serve = subprocess.Popen(words, cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        serve = subprocess.Popen(words, cwd=work.path, env=work.env, stdout=sink, stderr=subprocess.STDOUT)
     try:
         producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
         for tx in transactions_from_frame(last):
@@ -229,27 +316,35 @@ def test_readme_commands_run_as_written(kafka_bootstrap, tmp_path):
             metrics = wait_for_http(f"http://127.0.0.1:{metrics_port}/metrics", serve)
             if f"txsentinel_events_scored_total {last.height}\n" in metrics:
                 break
-            assert time.monotonic() < deadline, "the README's serve did not score the streamed events"
+            assert time.monotonic() < deadline, "the docs' serve did not score the streamed events"
             time.sleep(1)
     finally:
         code = stop(serve)
     assert code == 0, f"serve exited {code} on SIGTERM:\n{serve_log.read_text()[-3000:]}"
 
-    for words in each("txsentinel backtest"):
-        run(words, tmp_path, env)
-    assert json.loads((tmp_path / "runs" / "backtest" / "backtest.json").read_text())
-    for words in each("txsentinel compare"):
-        assert "lstm" in run(words, tmp_path, env)
 
-    tables = {  # a word of each bench's table
-        "txsentinel bench features": "events/s",
-        "txsentinel bench models": "state B",
-        "txsentinel bench replay": "events/s",
-    }
-    for name, heading in tables.items():
-        for words in each(name):
-            assert heading in run(words, tmp_path, env)
-    for words in each("txsentinel bench stream"):
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_doc_commands_run_as_written_on_the_broker(prepared, kafka_bootstrap):
+    work = prepared.stage()
+    tmp_path, env = work.path, work.env
+    work.fill[r"127\.0\.0\.1:39092"] = kafka_bootstrap
+
+    for words in work.each("scripts/kafka.sh"):
+        assert "running" in run(words, tmp_path, env)  # the fixture's broker is up: start finds it
+
+    # serve: each serve command the docs show, on topics of its own (a prefix) and a free metrics port.
+    for command in work.commands("txsentinel serve"):
+        prefix = f"readme-{uuid.uuid4().hex[:8]}-"
+        words = shrink(command, {
+            **work.fill,
+            r"metrics_port=9400": f"metrics_port={free_port()}",
+            r"--group-id txsentinel-scorer": f"--group-id {prefix}scorer --set topic_prefix={prefix}",
+        })  # fmt: skip
+        assert f"topic_prefix={prefix}" in words, f"{command!r}: no --group-id txsentinel-scorer to isolate"
+        serve_and_stream(words, prefix, work, kafka_bootstrap)
+
+    for words in work.each("txsentinel bench stream"):
         out = run(words, tmp_path, {**env, "TXS_KAFKA_PORT": kafka_bootstrap.rsplit(":", 1)[1]})
         assert "svc/ceiling" in out
         if "--phase-log" in words:  # each service run's per-batch log, a timestamped line a batch
@@ -270,4 +365,6 @@ def test_readme_commands_run_as_written(kafka_bootstrap, tmp_path):
             # one row, right under the table's rule: no untrained detector ran before it
             assert len(rows) == 1 and set(lines[rows[0] - 1]) == {"-"}, out[-2000:]
 
-    assert ran == RUN_HERE, f"RUN_HERE names commands this test did not run: {RUN_HERE - ran}"
+    assert work.ran == RUN_ON_THE_BROKER, (
+        f"RUN_ON_THE_BROKER names commands this test did not run: {RUN_ON_THE_BROKER - work.ran}"
+    )
