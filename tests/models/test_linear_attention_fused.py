@@ -1,4 +1,4 @@
-"""The linear Transformer's compiled serving step (models/linear_attention_fused.py) against its torch step,
+"""The linear Transformer's compiled serving step (models/linear_attention/fused.py) against its torch step,
 the reference: same scores and running means to float rounding, on every branch of the update."""
 
 import pytest
