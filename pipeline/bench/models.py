@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from models.contract import RecurrentDetector, State, encode_account_state, gather_states
+from models.contract import RecurrentDetector, State, gather_states
 from models.registry import REGISTRY, build_detector
+from models.state_codec import encode_account_state
 
 TRAIN_BATCH, TRAIN_EVENTS = 32, 256  # one training chunk: B accounts x T events
 STEP_BATCH = 256  # accounts per micro-batched step

@@ -6,7 +6,8 @@ import time
 import numpy as np
 import torch
 
-from models.contract import RecurrentDetector, encode_account_state
+from models.contract import RecurrentDetector
+from models.state_codec import encode_account_state
 from pipeline.training.sequences import AccountSequences
 
 STEP_BATCH = 256  # accounts per micro-batched step, as the service runs it

@@ -3,16 +3,13 @@
 import pytest
 import torch
 
-from models.contract import (
+from models.contract import concat_states, earlier_occurrences, gather_states, scatter_states
+from models.state_codec import (
     STATE_VERSION,
-    concat_states,
     decode_account_state,
     decode_state,
-    earlier_occurrences,
     encode_account_state,
     encode_state,
-    gather_states,
-    scatter_states,
 )
 from tests.models.helpers import (
     DETECTORS,
