@@ -2,8 +2,9 @@
 
 A detector trains in parallel (`forward` over [B, T, F]) and serves one event at a time (`step` over
 [B, F]) with the same weights; `State` is what carries history from one call to the next. Shape letters:
-B accounts, T events, F input columns (numeric features, then the terminal bucket index as a float). The
-state's byte records are models/state_codec.py's.
+B accounts, T events, F input columns (numeric features, then the terminal bucket index as a float); N
+events of a micro-batch, several of them possibly of one account. The state's byte records are
+models/state_codec.py's.
 """
 
 import dataclasses
@@ -84,11 +85,11 @@ class RecurrentDetector(nn.Module):
       its state). Gradients flow into `state` unless the caller detaches it (truncated BPTT).
     - `step(x_t [B,F], state) -> (scores [B], new_state)`: one event per account; the input state is never
       modified.
-    - optionally `step_in_place(x [N,F], table, rows [N]) -> scores [N] or None`: N events, event i of the
-      account at row rows[i] of a batched state table; an account may have several, applied in their
-      order; the new states are written over the old ones. Equal to `step` one event at a time. None
-      where the detector has no such path for these inputs (the caller steps in rounds instead: gather,
-      step, scatter, one event of each account a round).
+    - `step_in_place(x [N,F], table, rows [N]) -> scores [N]`: N events, event i of the account at row
+      rows[i] of a batched state table; an account may have several, applied in their order; the new
+      states are written over the old ones. Equal to `step` one event at a time. Every detector has it:
+      the default here steps in rounds (gather, step, scatter, one event of each account a round); a
+      detector with a faster path for some inputs overrides it and calls this one for the rest.
     Scores are logits: sigmoid gives a probability, higher is more suspicious.
     """
 
@@ -106,12 +107,20 @@ class RecurrentDetector(nn.Module):
     def step(self, x_t: Tensor, state: State) -> tuple[Tensor, State]:
         raise NotImplementedError
 
-    def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor | None:
-        """Serving fast path, where a detector has one: apply events x [N, F] to the accounts at `rows` [N]
-        of `table` ({key: [capacity, ...]}), in order (a row may repeat: its events apply one after the
-        other), writing the new states into `table`; returns the scores [N]. Equal to `step` one event at
-        a time, to float rounding. None: no fast path here."""
-        return None
+    def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor:
+        """Apply events x [N, F] to the accounts at `rows` [N] of `table` ({key: [capacity, ...]}), in order
+        (a row may repeat: its events apply one after the other), writing the new states into `table`;
+        returns the scores [N]. Equal to `step` one event at a time, to float rounding.
+
+        Here in rounds: round r gathers the states of the accounts with an r-th event in the batch, takes
+        one batched `step` over them and scatters the new states back, so a batch costs one `step` per
+        event of its busiest account, however many accounts it holds."""
+        scores = torch.empty(len(rows), dtype=x.dtype, device=x.device)
+        for positions in rounds_of(rows):  # [b] one event of each of b accounts
+            index = rows[positions]
+            scores[positions], state = self.step(x[positions], gather_states(table, index))
+            scatter_states(table, index, state)
+        return scores
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -163,6 +172,15 @@ def earlier_occurrences(rows: Tensor) -> Tensor:
     rank = torch.empty_like(position)
     rank[order] = position - group_start
     return rank
+
+
+def rounds_of(rows: Tensor) -> list[Tensor]:
+    """Positions of `rows` [N] in rounds: round r holds each account's (r+1)-th event, in arrival order."""
+    if len(rows) == 0:
+        return []
+    rank = earlier_occurrences(rows)  # [N] the event's round
+    by_round = torch.argsort(rank, stable=True)  # round 0 first, arrival order within a round
+    return list(by_round.split(torch.bincount(rank).tolist()))
 
 
 def gather_states(store: State, index: Tensor) -> State:

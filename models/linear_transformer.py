@@ -203,7 +203,7 @@ class LinearTransformerDetector(RecurrentDetector):
         new_state["events"] = seen + 1
         return self.head(h), new_state
 
-    def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor | None:
+    def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor:
         """The serving step on CPU, for a whole micro-batch at once, straight on the rows of a state table.
 
         Only the attention's running means carry anything from one event to the next; everything else
@@ -211,9 +211,10 @@ class LinearTransformerDetector(RecurrentDetector):
         all N events, and its recurrence as one compiled walk over them in order, each event reading the
         means its account's previous event wrote. Per micro-batch that is a few dozen torch calls instead
         of as many per round of one event an account, and no gather or scatter of the 8 KiB states.
+        Elsewhere (a GPU, autograd on, another dtype) the rounds of the base class.
         """
         if not _compiled_step_applies(x, table):
-            return None
+            return super().step_in_place(x, table, rows)
         self._check_input(x, 2)
         seen = table["events"][rows] + earlier_occurrences(rows)  # [N] events before each one
         share = 1.0 / (seen + 1).to(table["s"].dtype)  # [N]

@@ -42,7 +42,7 @@ def test_compiled_step_equals_the_torch_step(dtype, size):
         torch_state = {key: value.detach() for key, value in torch_state.items()}
 
 
-def test_the_store_steps_a_micro_batch_in_place_in_one_call():
+def test_the_store_steps_a_micro_batch_in_place_in_one_call(monkeypatch):
     model = detector(torch.float32)
     store = StateStore(model, capacity=8)
     accounts = [f"account-{i % 13}" for i in range(40)]  # 13 accounts, up to 4 events each, interleaved
@@ -55,17 +55,27 @@ def test_the_store_steps_a_micro_batch_in_place_in_one_call():
             score, part = model.step(x[i : i + 1], gather_states(state, account))
             expected[i] = score[0]
             scatter_states(state, account, part)
+        # The compiled walk, not the base class's rounds: those would call `step` once a round.
+        monkeypatch.setattr(model, "step", lambda *args: pytest.fail("step_in_place fell back to rounds"))
         in_place = model.step_in_place(x, store.states, torch.from_numpy(rows))
-    assert in_place is not None, "no compiled step on CPU: the service would fall back to rounds"
     assert (in_place - expected).abs().max().item() <= TOLERANCE[torch.float32]
     assert max_state_diff(store.gather(rows[:13]), state) <= TOLERANCE[torch.float32]
 
 
-def test_no_compiled_step_with_autograd_on():
+def test_with_autograd_on_step_in_place_takes_the_rounds_and_still_equals_stepping():
     model = detector(torch.float32, **LinearTransformerConfig.TINY)
-    table = model.init_state(4)
-    with torch.enable_grad():
-        assert (
-            model.step_in_place(make_events(model, 2, 1, seed=4)[:, 0], table, torch.tensor([0, 3])) is None
-        )
-    assert int(table["events"].sum()) == 0
+    x = make_events(model, 3, 1, seed=4)[:, 0]  # [3, F]
+    rows = torch.tensor([0, 3, 0])
+    with torch.enable_grad():  # the compiled step does no autograd: the base class's rounds instead
+        table = model.init_state(4)
+        in_place = model.step_in_place(x, table, rows)
+        assert in_place.requires_grad
+        expected, state = torch.empty(3), model.init_state(4)
+        for i, row in enumerate(rows.tolist()):
+            index = torch.tensor([row])
+            score, part = model.step(x[i : i + 1], gather_states(state, index))
+            expected[i] = score[0]
+            scatter_states(state, index, part)
+    assert (in_place - expected).abs().max().item() <= 1e-6
+    assert max_state_diff(table, state) <= 1e-6
+    assert table["events"].tolist() == [2, 0, 0, 1]
