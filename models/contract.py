@@ -194,11 +194,6 @@ def scatter_states(store: State, index: Tensor, part: State) -> None:
         value.index_copy_(0, index, part[key].to(value.dtype))
 
 
-def concat_states(states: list[State]) -> State:
-    """One batch out of several (e.g. single accounts decoded one by one)."""
-    return {key: torch.cat([s[key] for s in states]) for key in states[0]}
-
-
 def where_state(keep_new: Tensor, new: State, old: State) -> State:
     """Per account [B] bool: `new` where True, else `old`."""
     out = {}
