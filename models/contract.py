@@ -1,38 +1,22 @@
-"""The recurrent contract every detector keeps, the per-account state it carries, and that state's byte codec.
+"""The recurrent contract every detector keeps, and the per-account state it carries.
 
 A detector trains in parallel (`forward` over [B, T, F]) and serves one event at a time (`step` over
 [B, F]) with the same weights; `State` is what carries history from one call to the next. Shape letters:
-B accounts, T events, F input columns (numeric features, then the terminal bucket index as a float).
-
-State record layout (one per account, little-endian):
-
-    MAGIC (4 bytes) | STATE_VERSION (u16) | name length (u8) | detector name (utf-8)
-    | config fingerprint (8 bytes) | dtype code (u8) | payload: the state tensors, keys in sorted order,
-      each as raw bytes of its dtype, batch axis dropped
-
-Bump STATE_VERSION whenever the payload layout of any detector changes.
+B accounts, T events, F input columns (numeric features, then the terminal bucket index as a float); N
+events of a micro-batch, several of them possibly of one account. The state's byte records are
+models/state_codec.py's.
 """
 
 import dataclasses
 import hashlib
 import json
-import struct
-import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 State = dict[str, Tensor]
-
-MAGIC = b"TXSS"
-STATE_VERSION = 1
-_FLOAT_CODES = {torch.float32: 1, torch.float64: 2}
-_CODE_FLOATS = {code: dtype for dtype, code in _FLOAT_CODES.items()}
-if sys.byteorder != "little":  # the records are raw little-endian bytes
-    raise ImportError("models.contract writes state records as little-endian; this machine is big-endian")
 
 
 @dataclass(frozen=True)
@@ -101,11 +85,11 @@ class RecurrentDetector(nn.Module):
       its state). Gradients flow into `state` unless the caller detaches it (truncated BPTT).
     - `step(x_t [B,F], state) -> (scores [B], new_state)`: one event per account; the input state is never
       modified.
-    - optionally `step_in_place(x [N,F], table, rows [N]) -> scores [N] or None`: N events, event i of the
-      account at row rows[i] of a batched state table; an account may have several, applied in their
-      order; the new states are written over the old ones. Equal to `step` one event at a time. None
-      where the detector has no such path for these inputs (the caller steps in rounds instead: gather,
-      step, scatter, one event of each account a round).
+    - `step_in_place(x [N,F], table, rows [N]) -> scores [N]`: N events, event i of the account at row
+      rows[i] of a batched state table; an account may have several, applied in their order; the new
+      states are written over the old ones. Equal to `step` one event at a time. Every detector has it:
+      the default here steps in rounds (gather, step, scatter, one event of each account a round); a
+      detector with a faster path for some inputs overrides it and calls this one for the rest.
     Scores are logits: sigmoid gives a probability, higher is more suspicious.
     """
 
@@ -123,12 +107,20 @@ class RecurrentDetector(nn.Module):
     def step(self, x_t: Tensor, state: State) -> tuple[Tensor, State]:
         raise NotImplementedError
 
-    def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor | None:
-        """Serving fast path, where a detector has one: apply events x [N, F] to the accounts at `rows` [N]
-        of `table` ({key: [capacity, ...]}), in order (a row may repeat: its events apply one after the
-        other), writing the new states into `table`; returns the scores [N]. Equal to `step` one event at
-        a time, to float rounding. None: no fast path here."""
-        return None
+    def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor:
+        """Apply events x [N, F] to the accounts at `rows` [N] of `table` ({key: [capacity, ...]}), in order
+        (a row may repeat: its events apply one after the other), writing the new states into `table`;
+        returns the scores [N]. Equal to `step` one event at a time, to float rounding.
+
+        Here in rounds: round r gathers the states of the accounts with an r-th event in the batch, takes
+        one batched `step` over them and scatters the new states back, so a batch costs one `step` per
+        event of its busiest account, however many accounts it holds."""
+        scores = torch.empty(len(rows), dtype=x.dtype, device=x.device)
+        for positions in rounds_of(rows):  # [b] one event of each of b accounts
+            index = rows[positions]
+            scores[positions], state = self.step(x[positions], gather_states(table, index))
+            scatter_states(table, index, state)
+        return scores
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -182,6 +174,15 @@ def earlier_occurrences(rows: Tensor) -> Tensor:
     return rank
 
 
+def rounds_of(rows: Tensor) -> list[Tensor]:
+    """Positions of `rows` [N] in rounds: round r holds each account's (r+1)-th event, in arrival order."""
+    if len(rows) == 0:
+        return []
+    rank = earlier_occurrences(rows)  # [N] the event's round
+    by_round = torch.argsort(rank, stable=True)  # round 0 first, arrival order within a round
+    return list(by_round.split(torch.bincount(rank).tolist()))
+
+
 def gather_states(store: State, index: Tensor) -> State:
     """States of accounts `index` [b] out of a batched store, as a new batch of b (copies)."""
     return {key: value.index_select(0, index) for key, value in store.items()}
@@ -191,11 +192,6 @@ def scatter_states(store: State, index: Tensor, part: State) -> None:
     """Write `part` (batch of b) back into `store` at rows `index` [b], in place."""
     for key, value in store.items():
         value.index_copy_(0, index, part[key].to(value.dtype))
-
-
-def concat_states(states: list[State]) -> State:
-    """One batch out of several (e.g. single accounts decoded one by one)."""
-    return {key: torch.cat([s[key] for s in states]) for key in states[0]}
 
 
 def where_state(keep_new: Tensor, new: State, old: State) -> State:
@@ -210,139 +206,3 @@ def where_state(keep_new: Tensor, new: State, old: State) -> State:
 def detach_state(state: State) -> State:
     """Cut the graph at a chunk boundary (truncated BPTT)."""
     return {key: value.detach() for key, value in state.items()}
-
-
-# --- byte codec ---
-
-
-def _layout(detector: RecurrentDetector) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    with torch.no_grad():
-        template = detector.init_state(1)
-    return [(key, tuple(template[key].shape[1:]), template[key].dtype) for key in sorted(template)]
-
-
-def _header(detector: RecurrentDetector) -> bytes:
-    name = detector.name.encode()
-    return (
-        MAGIC
-        + struct.pack("<HB", STATE_VERSION, len(name))
-        + name
-        + detector.config.fingerprint()
-        + struct.pack("<B", _FLOAT_CODES[detector.state_dtype])
-    )
-
-
-# (detector name, config, state dtype) -> (layout, header): both are fixed for a config and dtype, and the
-# service encodes thousands of account records per poll, so they are worked out once.
-_CODECS: dict[tuple, tuple[list[tuple[str, tuple[int, ...], torch.dtype]], bytes]] = {}
-
-
-def _codec(detector: RecurrentDetector) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], bytes]:
-    key = (detector.name, detector.config, detector.state_dtype)
-    if key not in _CODECS:
-        _CODECS[key] = (_layout(detector), _header(detector))
-    return _CODECS[key]
-
-
-def _payload_bytes(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> int:
-    return sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for _, shape, dtype in layout)
-
-
-def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
-    """One versioned record per account of a batched state."""
-    return [row.tobytes() for row in encode_state_rows(detector, state)]
-
-
-def encode_state_rows(detector: RecurrentDetector, state: State) -> np.ndarray:
-    """encode_state as one array [B, record bytes] uint8, row b account b's record: for callers that join
-    it to more columns before cutting records (consumers/scoring/account_state.py)."""
-    layout, header = _codec(detector)
-    if sorted(state) != [key for key, _, _ in layout]:
-        raise ValueError(
-            f"{detector.name}: state has keys {sorted(state)}, expected {[k for k, _, _ in layout]}"
-        )
-    batch = next(iter(state.values())).shape[0]
-    columns = []
-    for key, shape, dtype in layout:
-        value = state[key]
-        if tuple(value.shape) != (batch, *shape) or value.dtype != dtype:
-            raise ValueError(
-                f"{detector.name}: state[{key!r}] is {value.dtype} {list(value.shape)}, "
-                f"expected {dtype} {[batch, *shape]}"
-            )
-        array = value.detach().to("cpu").contiguous().numpy().reshape(batch, -1)
-        columns.append(array.view(np.uint8))  # [B, bytes of this tensor per account]
-    prefix = np.broadcast_to(np.frombuffer(header, dtype=np.uint8), (batch, len(header)))
-    return np.concatenate([prefix, *columns], axis=1)
-
-
-def decode_state(detector: RecurrentDetector, records: list[bytes]) -> State:
-    """Inverse of encode_state: a batch of len(records) accounts, on the detector's device.
-
-    Raises ValueError naming the first record that does not match this detector and what to do about it.
-    """
-    layout, header = _codec(detector)
-    expected = len(header) + _payload_bytes(layout)
-    for i, record in enumerate(records):
-        if len(record) != expected or not record.startswith(header):
-            raise ValueError(f"state record {i}: {_mismatch(detector, record, header, expected)}")
-    if not records:
-        return {
-            key: torch.empty(0, *shape, dtype=dtype, device=detector.device) for key, shape, dtype in layout
-        }
-    rows = np.frombuffer(b"".join(records), dtype=np.uint8).reshape(len(records), expected)
-    rows = rows[:, len(header) :]
-    state, offset = {}, 0
-    for key, shape, dtype in layout:
-        width = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-        chunk = rows[:, offset : offset + width].copy()  # contiguous rows, writable, aligned
-        tensor = torch.from_numpy(chunk).view(dtype).reshape(len(records), *shape)
-        state[key] = tensor.to(detector.device)
-        offset += width
-    return state
-
-
-def encode_account_state(detector: RecurrentDetector, state: State) -> bytes:
-    """The record of a single account (a state of batch 1)."""
-    batch = next(iter(state.values())).shape[0]
-    if batch != 1:
-        raise ValueError(f"encode_account_state takes a state of one account, got a batch of {batch}")
-    return encode_state(detector, state)[0]
-
-
-def decode_account_state(detector: RecurrentDetector, record: bytes) -> State:
-    """A state of batch 1 from one account's record."""
-    return decode_state(detector, [record])
-
-
-def _mismatch(detector: RecurrentDetector, record: bytes, header: bytes, expected: int) -> str:
-    rebuild = "restore with the model artifact that wrote it, or rebuild the state by replaying the account's history"
-    if not record.startswith(MAGIC):
-        return f"not a txsentinel detector state (starts with {record[:4]!r}, expected {MAGIC!r})"
-    if len(record) < 7:
-        return f"truncated: {len(record)} bytes"
-    version, name_len = struct.unpack_from("<HB", record, 4)
-    if version != STATE_VERSION:
-        return (
-            f"state version {version}, this build reads version {STATE_VERSION}: the state layout changed; "
-            f"{rebuild} through this model"
-        )
-    name = record[7 : 7 + name_len].decode(errors="replace")
-    if name != detector.name:
-        return f"state of detector {name!r}, but this model is {detector.name!r}; {rebuild}"
-    at = 7 + name_len
-    fingerprint = record[at : at + 8]
-    if fingerprint != detector.config.fingerprint():
-        return (
-            f"written by a {name!r} with config fingerprint {fingerprint.hex()}, this model's is "
-            f"{detector.config.fingerprint().hex()} ({detector.config.to_dict()}); {rebuild}"
-        )
-    code = record[at + 8] if len(record) > at + 8 else None
-    if code != _FLOAT_CODES[detector.state_dtype]:
-        return (
-            f"state stored as {_CODE_FLOATS.get(code, f'unknown dtype code {code}')}, this model serves "
-            f"{detector.state_dtype}: cast the model (detector.to(dtype)) to the state's dtype, or rebuild the state"
-        )
-    if record[: len(header)] != header:
-        return "header does not match this detector"
-    return f"{len(record)} bytes, expected {expected} for {detector.name!r} with this config: the record is corrupt"

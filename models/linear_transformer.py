@@ -1,12 +1,12 @@
 """Linear-attention Transformer detector ("Transformers are RNNs", Katharopoulos et al. 2020).
 
 Causal attention with feature map phi(x) = elu(x) + 1 is an RNN with state per head
-S = sum phi(k) v^T [D, D] and Z = sum phi(k) [D]; out = phi(q) S / (phi(q) . Z) (the slow reference is
-models/linear_attention_naive.py). Training runs the chunked parallel form, serving the recurrence; both
-sit in LinearAttentionBlock. Serving on CPU, the step's attention runs as one compiled pass per layer
-(models/linear_attention_fused.py), and step_in_place takes a whole micro-batch at once, straight on the
-rows of the service's state table; linear_attention_step stays the reference they are tested against.
-Shapes: B accounts, T events, H heads, D head dim, L layers, d = H * D.
+S = sum phi(k) v^T [D, D] and Z = sum phi(k) [D]; out = phi(q) S / (phi(q) . Z). Its forms live in
+models/linear_attention/ (the slow reference is naive.py there). Training runs the chunked parallel form,
+serving the recurrence; both sit in LinearAttentionBlock. Serving on CPU, the step's attention runs as one
+compiled pass per layer (linear_attention/fused.py), and step_in_place takes a whole micro-batch at once,
+straight on the rows of the service's state table. Shapes: B accounts, T events, H heads, D head dim,
+L layers, d = H * D.
 
 Numerics.
 - phi is computed as exp(min(x, 0)) + max(x, 0), in float32 at least, floored at PHI_FLOOR. Written as
@@ -16,14 +16,9 @@ Numerics.
   subtraction, float32 moves exp's underflow out to x < -87, and the floor keeps phi(q) . Z >= D *
   PHI_FLOOR^2 > 0 for any input. All attention arithmetic (phi, S, Z, the chunk matmuls) runs in
   float32 or wider with autocast off, whatever the activations' dtype.
-- S and Z grow linearly with history. The state keeps their running means S / n and Z / n plus the count
-  n (int64): the output ratio is unchanged, the stored numbers stay O(1) however long the stream (no
-  overflow in any float format, the same scale for an account with 10 events and one with 10 million),
-  and the step update is one lerp, S_n = S_{n-1} + (phi(k) v^T - S_{n-1}) / n. The parallel form turns
-  them back into sums (S / n * n) at the start of a chunk. Rounding is ~eps per update either way, so
-  float32 serving stays close to float64: the contract suite measures 100,000 events in float32 against
-  float64 (tests/models/test_contract.py). Past ~2^24 events per account a float32 mean can no longer
-  register one event's 1/n share; a card account never gets near that.
+- The state keeps the running means S / n and Z / n plus the count n rather than the sums, so the stored
+  numbers stay O(1) however long the stream (models/linear_attention/state.py). The contract suite
+  measures 100,000 events in float32 against float64 (tests/models/test_contract.py).
 """
 
 from dataclasses import dataclass
@@ -34,11 +29,11 @@ from torch import Tensor, nn
 
 from models.contract import DetectorConfig, RecurrentDetector, State, earlier_occurrences
 from models.encoder import EventEncoder, FeedForward, ScoreHead, dropout
+from models.linear_attention.parallel import linear_attention_parallel
+from models.linear_attention.recurrent import recurrent_step
+from models.linear_attention.state import LinearAttentionState
 
 PHI_FLOOR = 1e-6
-# Events per chunk of the parallel form: quadratic (masked) inside a chunk, (S, Z) carried between chunks.
-# Speed and memory only; results do not depend on it.
-CHUNK_EVENTS = 64
 
 
 @dataclass(frozen=True)
@@ -58,63 +53,6 @@ def phi(x: Tensor) -> Tensor:
     """elu(x) + 1 without cancellation, in float32 or wider, never below PHI_FLOOR (see module docstring)."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     return (torch.exp(x.clamp(max=0.0)) + x.clamp(min=0.0)).clamp(min=PHI_FLOOR)
-
-
-def causal_linear_attention(
-    phi_q: Tensor, phi_k: Tensor, v: Tensor, s0: Tensor, z0: Tensor, chunk_events: int = CHUNK_EVENTS
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Chunked parallel form: outputs [B, H, T, Dv] and final sums S [B, H, D, Dv], Z [B, H, D].
-
-    phi_q, phi_k: [B, H, T, D], feature-mapped; v: [B, H, T, Dv]; s0, z0: sums carried in. An event with
-    phi_k = 0 and v = 0 adds nothing (how padding is kept out of the state).
-    """
-    T = phi_q.shape[2]
-    C = min(chunk_events, T)
-    N = -(-T // C)  # chunks
-    pad = N * C - T
-    if pad:
-        # Padded keys/values are 0 (no contribution); padded queries 1 so their (discarded) rows divide by
-        # a positive number rather than 0, which would turn gradients into NaN.
-        phi_q = nn.functional.pad(phi_q, (0, 0, 0, pad), value=1.0)
-        phi_k = nn.functional.pad(phi_k, (0, 0, 0, pad))
-        v = nn.functional.pad(v, (0, 0, 0, pad))
-    q = phi_q.unflatten(2, (N, C))  # [B, H, N, C, D]
-    k = phi_k.unflatten(2, (N, C))
-    vc = v.unflatten(2, (N, C))  # [B, H, N, C, Dv]
-    # Sums up to the start of each chunk: s0, then the running total of each chunk's k^T v.
-    s = torch.cat([s0[:, :, None], k.transpose(-1, -2) @ vc], 2).cumsum(2)  # [B, H, N + 1, D, Dv]
-    z = torch.cat([z0[:, :, None], k.sum(-2)], 2).cumsum(2)  # [B, H, N + 1, D]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    a = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)  # [B, H, N, C, C] within-chunk weights
-    numerator = q @ s[:, :, :-1] + a @ vc  # [B, H, N, C, Dv]
-    denominator = (q * z[:, :, :-1, None, :]).sum(-1) + a.sum(-1)  # [B, H, N, C]
-    out = numerator / denominator.clamp(min=torch.finfo(q.dtype).tiny)[..., None]
-    return out.flatten(2, 3)[:, :, :T], s[:, :, -1], z[:, :, -1]
-
-
-def linear_attention_step(
-    phi_q: Tensor,
-    phi_k: Tensor,
-    v: Tensor,
-    s_mean: Tensor,
-    z_mean: Tensor,
-    share: Tensor,
-    out: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Recurrent form, one event: output [B, H, Dv] and the new running means (into `out` when given).
-
-    phi_q, phi_k: [B, H, D], feature-mapped; v: [B, H, Dv]; s_mean [B, H, D, Dv] = S / n and z_mean
-    [B, H, D] = Z / n over the n events before this one; share [B, 1, 1] = 1 / (n + 1).
-    """
-    s_out, z_out = (None, None) if out is None else out
-    # S_{n+1} = S_n + phi(k) v^T, as running means: S/n moves 1/(n+1) of the way towards phi(k) v^T.
-    s_mean = torch.lerp(s_mean, phi_k[..., :, None] * v[..., None, :], share[..., None], out=s_out)
-    z_mean = torch.lerp(z_mean, phi_k, share, out=z_out)
-    # phi(q) S as a broadcast multiply and sum: as B * H tiny matrix-vector products (bmm) it is ~4x slower
-    # on CPU. Dividing S and Z by the same n leaves the ratio as it was.
-    numerator = (phi_q[..., :, None] * s_mean).sum(-2)  # [B, H, Dv]
-    denominator = (phi_q * z_mean).sum(-1, keepdim=True)  # [B, H, 1], >= D * PHI_FLOOR^2
-    return numerator / denominator, s_mean, z_mean
 
 
 class LinearAttentionBlock(nn.Module):
@@ -152,14 +90,9 @@ class LinearAttentionBlock(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             qkv = self._projections(h)  # [B, T, 3, H, D]
             phi_q, phi_k, v = (t.transpose(1, 2) for t in self._feature_map(qkv))  # [B, H, T, D]
-            keep = valid[:, None, :, None].to(phi_k.dtype)  # padding adds nothing to S and Z
-            phi_k, v = phi_k * keep, v * keep
-            n = seen.to(phi_k.dtype)[:, None, None]  # [B, 1, 1]
-            s0, z0 = s_mean.to(phi_k.dtype) * n[..., None], z_mean.to(phi_k.dtype) * n
-            att, s, z = causal_linear_attention(phi_q, phi_k, v, s0, z0)
-            n_end = (seen + valid.sum(1)).clamp(min=1).to(s.dtype)[:, None, None]  # 0 events: sums are 0
-            s_mean, z_mean = s / n_end[..., None], z / n_end
-        return self._finish(h, att.transpose(1, 2)), s_mean, z_mean
+            carried = LinearAttentionState(s_mean, z_mean, seen)
+            att, final = linear_attention_parallel(phi_q, phi_k, v, carried, valid)  # att [B, H, T, D]
+        return self._finish(h, att.transpose(1, 2)), final.s, final.z
 
     def step(self, h: Tensor, s_mean: Tensor, z_mean: Tensor, share: Tensor, out=None):
         """h [B, d]; s_mean [B, H, D, D], z_mean [B, H, D]; share [B, 1, 1] = 1 / (events seen + 1).
@@ -168,7 +101,7 @@ class LinearAttentionBlock(nn.Module):
         """
         # No autocast guard needed: the step uses no matmul, and _feature_map casts to float32 or wider.
         phi_q, phi_k, v = self._feature_map(self._projections(h))  # [B, H, D]
-        att, s_mean, z_mean = linear_attention_step(phi_q, phi_k, v, s_mean, z_mean, share, out)
+        att, s_mean, z_mean = recurrent_step(phi_q, phi_k, v, s_mean, z_mean, share, out)
         return self._finish(h, att), s_mean, z_mean
 
     def step_compiled(
@@ -179,18 +112,20 @@ class LinearAttentionBlock(nn.Module):
         layer: int,
         share: Tensor,
     ) -> Tensor:
-        """`step` for serving on CPU, its attention one compiled pass (models/linear_attention_fused.py).
+        """`step` for serving on CPU, its attention one compiled pass (models/linear_attention/fused.py).
 
         h [B, d], one event each; source and destination: (states {"s": [*, L, H, D, D], "z": [*, L, H,
         D]}, rows [B]): event b's means of this layer are read at source row b, the new ones written at
         destination row b (the same table and rows for an update in place, where a row may repeat: the
         events then apply in order); share [B] = 1 / (events seen + 1). Returns the new h.
         """
-        from models.linear_attention_fused import fused_step  # numba loads only when a model serves on CPU
+        from models.linear_attention.fused import (
+            fused_step_rows,  # numba loads only when a model serves on CPU
+        )
 
         qkv = self._projections(h)  # [B, 3, H, D]
-        phi_qk = phi(qkv[:, :2])  # [B, 2, H, D], in torch (see linear_attention_fused.py)
-        return self._finish(h, fused_step(phi_qk, qkv, source, destination, layer, share))
+        phi_qk = phi(qkv[:, :2])  # [B, 2, H, D], in torch (see linear_attention/fused.py)
+        return self._finish(h, fused_step_rows(phi_qk, qkv, source, destination, layer, share))
 
 
 def _compiled_step_applies(h: Tensor, state: State) -> bool:
@@ -268,7 +203,7 @@ class LinearTransformerDetector(RecurrentDetector):
         new_state["events"] = seen + 1
         return self.head(h), new_state
 
-    def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor | None:
+    def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor:
         """The serving step on CPU, for a whole micro-batch at once, straight on the rows of a state table.
 
         Only the attention's running means carry anything from one event to the next; everything else
@@ -276,9 +211,10 @@ class LinearTransformerDetector(RecurrentDetector):
         all N events, and its recurrence as one compiled walk over them in order, each event reading the
         means its account's previous event wrote. Per micro-batch that is a few dozen torch calls instead
         of as many per round of one event an account, and no gather or scatter of the 8 KiB states.
+        Elsewhere (a GPU, autograd on, another dtype) the rounds of the base class.
         """
         if not _compiled_step_applies(x, table):
-            return None
+            return super().step_in_place(x, table, rows)
         self._check_input(x, 2)
         seen = table["events"][rows] + earlier_occurrences(rows)  # [N] events before each one
         share = 1.0 / (seen + 1).to(table["s"].dtype)  # [N]

@@ -9,7 +9,7 @@ Layout (little-endian):
     MAGIC "TXSA" (4) | RECORD_VERSION (u16) | featurizer state version (u16) | feature version (u16)
     | model fingerprint (8) | partition (i32) | offset (i64) | last ts µs (i64)
     | featurizer record length (u32) | detector record length (u32)
-    | featurizer record (pipeline.features.state.ACCOUNT_STATE bytes) | detector record (models.contract)
+    | featurizer record (pipeline.features.state.ACCOUNT_STATE bytes) | detector record (models.state_codec)
 
 The detector record carries its own header (detector name, config fingerprint, dtype). The model
 fingerprint adds the weights: a state written under other weights of the same architecture (a retrained
@@ -44,7 +44,7 @@ _REBUILD = (
 @dataclass(frozen=True)
 class AccountRecord:
     features: bytes  # the featurizer's account record (StateTable bytes, ACCOUNT_STATE dtype)
-    detector: bytes  # models.contract.encode_account_state of the account's recurrent state
+    detector: bytes  # models.state_codec.encode_account_state of the account's recurrent state
     model: bytes  # 8-byte model_fingerprint of the detector that wrote `detector`
     partition: int = NO_POSITION  # source partition of the last applied event
     offset: int = NO_POSITION  # its offset in that partition
@@ -93,7 +93,7 @@ def encode_account_records(
     last_ts_us: np.ndarray,
 ) -> list[bytes]:
     """AccountRecord(...).to_bytes() of N accounts at once, byte for byte: features [N] featurizer records
-    (ACCOUNT_STATE), detector [N, bytes] (models.contract.encode_state_rows), partition, offset and
+    (ACCOUNT_STATE), detector [N, bytes] (models.state_codec.encode_state_rows), partition, offset and
     last_ts_us [N]. The service writes a record per changed account per poll, ~280 of them at 500 events a
     poll; one at a time they cost ~8 us each."""
     n = len(features)

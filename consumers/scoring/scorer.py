@@ -33,7 +33,7 @@ import torch
 from consumers.scoring.account_state import decode_account_record, encode_account_records, model_fingerprint
 from consumers.scoring.messages import Transaction
 from consumers.scoring.state_store import StateStore, rounds_of
-from models.contract import decode_account_state, encode_state_rows
+from models.state_codec import decode_account_state, encode_state_rows
 from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, replay_batches
 from pipeline.registry.artifact import LoadedModel
 

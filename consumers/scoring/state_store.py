@@ -1,11 +1,10 @@
 """Recurrent states of the accounts in memory, as rows of batched tensors, with their exactly-once bookkeeping.
 
-A micro-batch goes in rounds of one event an account: each round gathers the rows of its accounts into one
-batch, steps the detector once, and scatters the new states back (models.contract gather_states /
-scatter_states), so a round costs one batched call however many accounts are in memory. A detector with a
-step_in_place (the linear Transformer on CPU) takes the whole micro-batch at once, on the rows where they
-lie. Rows: account -> row through a dict; capacity doubles when full; an evicted
-account's row goes to a free list and is reset to init_state when reused.
+A micro-batch is applied by the detector's step_in_place on the rows where the states lie: in rounds of one
+event an account by default (each round one gather, batched step and scatter, so a round costs one batched
+call however many accounts are in memory), in one pass per layer for the linear Transformer on CPU. Rows:
+account -> row through a dict; capacity doubles when full; an evicted account's row goes to a free list and
+is reset to init_state when reused.
 
 Beside each row: the account's last applied source position (partition, offset) and the newest event ts
 applied, as numpy arrays [capacity] — what the scorer's duplicate and out-of-order checks read.
@@ -17,7 +16,8 @@ import numpy as np
 import torch
 
 from consumers.scoring.account_state import NO_POSITION, NO_TS
-from models.contract import RecurrentDetector, State, earlier_occurrences, gather_states, scatter_states
+from models import contract
+from models.contract import RecurrentDetector, State, gather_states, scatter_states
 
 
 class StateStore:
@@ -127,25 +127,10 @@ class StateStore:
     @torch.inference_mode()
     def step(self, rows: np.ndarray, x: torch.Tensor) -> torch.Tensor:
         """Apply events x [N, F] to the accounts at `rows` [N] in order (an account may have several): their
-        scores [N], and the new states in place of the old. The detector's step_in_place takes them all at
-        once where it has one; otherwise they go in rounds of one event an account (rounds_of), each
-        round one gather, step and scatter."""
-        index = torch.from_numpy(rows).to(self.device)
-        scores = self.detector.step_in_place(x, self.states, index)
-        if scores is not None:
-            return scores
-        scores = torch.empty(len(rows), dtype=x.dtype, device=x.device)
-        for sel in rounds_of(rows):
-            round_index = torch.from_numpy(sel).to(x.device)
-            scores[round_index], state = self.detector.step(x[round_index], self.gather(rows[sel]))
-            self.scatter(rows[sel], state)
-        return scores
+        scores [N], and the new states in place of the old (the detector's step_in_place)."""
+        return self.detector.step_in_place(x, self.states, torch.from_numpy(rows).to(self.device))
 
 
 def rounds_of(rows: np.ndarray) -> list[np.ndarray]:
-    """Positions of `rows` [N] in rounds: round r holds each account's (r+1)-th event, in arrival order."""
-    if len(rows) == 0:
-        return []
-    rank = earlier_occurrences(torch.from_numpy(rows)).numpy()  # [N] the event's round
-    by_round = np.argsort(rank, kind="stable")  # round 0 first, arrival order within a round
-    return np.split(by_round, np.searchsorted(rank[by_round], np.arange(1, rank.max() + 1)))
+    """models.contract.rounds_of for numpy rows [N]: the positions of each round, in arrival order."""
+    return [positions.numpy() for positions in contract.rounds_of(torch.from_numpy(rows))]

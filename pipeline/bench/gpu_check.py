@@ -20,18 +20,12 @@ import numpy as np
 import torch
 
 from models.contract import RecurrentDetector
+from models.parity import forward_in_chunks, random_events, step_vs_forward_error
 from models.registry import REGISTRY, build_detector
+from pipeline.training.diagnostics import step_cost_us_per_event
 from pipeline.training.sequences import AccountSequences
 
 NUM_FEATURES = 26
-
-
-def _events(detector: RecurrentDetector, batch: int, events: int, device: str, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    c = detector.config
-    numeric = torch.randn(batch, events, c.num_features, generator=g)
-    bucket = torch.randint(0, c.terminal_buckets, (batch, events, 1), generator=g).float()
-    return torch.cat([numeric, bucket], -1).to(device)
 
 
 @contextmanager
@@ -45,40 +39,23 @@ def tf32(allowed: bool):
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def _step_vs_forward(detector: RecurrentDetector, x: torch.Tensor) -> float:
-    whole, _ = detector(x)
-    state = detector.init_state(x.shape[0])
-    stepped = []
-    for t in range(x.shape[1]):
-        score, state = detector.step(x[:, t], state)
-        stepped.append(score)
-    return float((whole - torch.stack(stepped, 1)).abs().max())
-
-
 @torch.inference_mode()
-def parity(detector: RecurrentDetector, device: str, events: int) -> tuple[float, float, float, float]:
+def parity(detector: RecurrentDetector, events: int) -> tuple[float, float, float, float]:
     """Max |logit difference| on [8, events]: (step vs forward, chunked vs whole) in IEEE float32, step vs
     forward under torch's default TF32 settings, and bf16 autocast vs float32."""
-    x = _events(detector, 8, events, device)
+    x = random_events(detector, 8, events)
     with tf32(allowed=False):
         whole, _ = detector(x)
-        step_error = _step_vs_forward(detector, x)
-        chunk_error = _chunked_vs_whole(detector, x, whole)
-    step_error_defaults = _step_vs_forward(detector, x)
+        step_error = step_vs_forward_error(detector, x)
+        chunked, _ = forward_in_chunks(detector, x, 256)
+        chunk_error = float((whole - chunked).abs().max())
+    step_error_defaults = step_vs_forward_error(detector, x)
     bf16_error = float("nan")
-    if device != "cpu":
+    if x.device.type != "cpu":
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
             low, _ = detector(x)
         bf16_error = float((whole - low.float()).abs().max())
     return step_error, chunk_error, step_error_defaults, bf16_error
-
-
-def _chunked_vs_whole(detector: RecurrentDetector, x: torch.Tensor, whole: torch.Tensor) -> float:
-    state, chunks = None, []
-    for start in range(0, x.shape[1], 256):
-        scores, state = detector(x[:, start : start + 256], state)
-        chunks.append(scores)
-    return float((whole - torch.cat(chunks, 1)).abs().max())
 
 
 def _synthetic_sequences(accounts: int, events: int, seed: int = 0) -> AccountSequences:
@@ -155,22 +132,6 @@ def train_throughput(
     return sequences / elapsed, sequences * chunk / elapsed
 
 
-@torch.inference_mode()
-def step_throughput(detector: RecurrentDetector, device: str, batch: int, repeats: int) -> float:
-    x = _events(detector, batch, 1, device)[:, 0]
-    state = detector.init_state(batch)
-    for _ in range(3):
-        detector.step(x, state)
-    if device != "cpu":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        detector.step(x, state)
-    if device != "cpu":
-        torch.cuda.synchronize()
-    return batch * repeats / (time.perf_counter() - start)
-
-
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -187,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             "chunk": 32,
             "steps": 2,
             "step_batch": 64,
-            "repeats": 3,
+            "step_seconds": 0.1,
         }
         if args.quick
         else {
@@ -197,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             "chunk": 256,
             "steps": 30,
             "step_batch": 4096,
-            "repeats": 50,
+            "step_seconds": 2.0,
         }
     )
     gpu = torch.cuda.get_device_name() if device != "cpu" else "cpu"
@@ -206,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     for name in sorted(REGISTRY):
         torch.manual_seed(0)
         detector = build_detector(name, {"num_features": NUM_FEATURES}).to(device).eval()
-        step_err, chunk_err, step_err_tf32, bf16_err = parity(detector, device, sizes["parity_events"])
+        step_err, chunk_err, step_err_tf32, bf16_err = parity(detector, sizes["parity_events"])
         seq_s, ev_s = train_throughput(
             name, device, sizes["accounts"], sizes["events"], sizes["chunk"], sizes["steps"]
         )
@@ -217,9 +178,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             "bf16_vs_fp32": bf16_err,
             "train_sequences_per_s": seq_s,
             "train_events_per_s": ev_s,
-            "step_events_per_s": step_throughput(
-                detector.to(device), device, sizes["step_batch"], sizes["repeats"]
-            ),
+            "step_events_per_s": 1e6
+            / step_cost_us_per_event(detector.to(device), sizes["step_batch"], sizes["step_seconds"]),
         }
     columns = [  # (heading, result key, format)
         ("step=fwd", "step_vs_forward", ".1e"),

@@ -4,18 +4,17 @@ state size, and whether a step's cost stays flat as an account's history grows.
     .venv/bin/python -m pipeline.bench.models [lstm transformer linear_transformer]
 """
 
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
-from models.contract import RecurrentDetector, State, encode_account_state, gather_states
+from models.contract import RecurrentDetector, State, gather_states
+from models.parity import random_events
 from models.registry import REGISTRY, build_detector
+from models.state_codec import encode_account_state
+from pipeline.training.diagnostics import STEP_BATCH, seconds_per_call
 
 TRAIN_BATCH, TRAIN_EVENTS = 32, 256  # one training chunk: B accounts x T events
-STEP_BATCH = 256  # accounts per micro-batched step
 HISTORIES = (10, 1_000, 100_000)  # events of history before the timed steps
 HISTORY_CHUNK_EVENTS = 2_048  # chunk of the forward pass that builds a long history cheaply
 # Targets at the default size (d_model=64, 2 layers); detectors not listed have none.
@@ -25,39 +24,9 @@ TARGETS = {
 }
 
 
-def _events(detector: RecurrentDetector, batch: int, events: int, seed: int) -> torch.Tensor:
-    # Random but valid events [B, T, F]: normal numeric features, then a terminal bucket in range.
-    c = detector.config
-    g = torch.Generator().manual_seed(seed)
-    numeric = torch.randn(batch, events, c.num_features, generator=g)
-    bucket = torch.randint(0, c.terminal_buckets, (batch, events, 1), generator=g).float()
-    return torch.cat([numeric, bucket], -1)
-
-
-def _seconds_per_call(fns: dict[str, Callable[[], object]], seconds: float = 1.0) -> dict[str, float]:
-    # Per function, the median over rounds of the mean time per call. Rounds of ~0.05 s, the functions
-    # taking turns round after round, so the drift of a shared machine hits each one alike.
-    calls = {}
-    for key, fn in fns.items():
-        fn()  # warm-up: allocator, oneDNN primitives
-        start = time.perf_counter()
-        fn()
-        calls[key] = max(1, int(0.05 / max(time.perf_counter() - start, 1e-6)))
-    times: dict[str, list[float]] = {key: [] for key in fns}
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or min(len(t) for t in times.values()) < 5:
-        for key, fn in fns.items():
-            fn()  # untimed: brings this function's tensors back into cache after the previous one's
-            start = time.perf_counter()
-            for _ in range(calls[key]):
-                fn()
-            times[key].append((time.perf_counter() - start) / calls[key])
-    return {key: statistics.median(t) for key, t in times.items()}
-
-
 def _history_state(detector: RecurrentDetector, events: int) -> State:
     # The state of one account after `events` random events, via forward in chunks (fast, and exact).
-    x = _events(detector, 1, events, seed=events)
+    x = random_events(detector, 1, events, seed=events)
     state = detector.init_state(1)
     for start in range(0, events, HISTORY_CHUNK_EVENTS):
         _, state = detector(x[:, start : start + HISTORY_CHUNK_EVENTS], state)
@@ -69,7 +38,7 @@ def bench_detector(detector: RecurrentDetector) -> dict[str, float]:
     results = {}
 
     detector.train()
-    x = _events(detector, TRAIN_BATCH, TRAIN_EVENTS, seed=1)
+    x = random_events(detector, TRAIN_BATCH, TRAIN_EVENTS, seed=1)
     target = (
         torch.rand(TRAIN_BATCH, TRAIN_EVENTS, generator=torch.Generator().manual_seed(2)) < 0.02
     ).float()
@@ -79,18 +48,18 @@ def bench_detector(detector: RecurrentDetector) -> dict[str, float]:
         torch.nn.functional.binary_cross_entropy_with_logits(scores, target).backward()
         detector.zero_grad(set_to_none=True)
 
-    train_s = _seconds_per_call({"train": train_step}, seconds=3.0)["train"]
+    train_s = seconds_per_call({"train": train_step}, seconds=3.0)["train"]
     results["train_events_per_s"] = TRAIN_BATCH * TRAIN_EVENTS / train_s
 
     detector.eval()
     with torch.inference_mode():
         histories = {n: _history_state(detector, n) for n in HISTORIES}
-        events = _events(detector, STEP_BATCH, 1, seed=3)[:, 0]  # [B, F]
+        events = random_events(detector, STEP_BATCH, 1, seed=3)[:, 0]  # [B, F]
         many = torch.zeros(STEP_BATCH, dtype=torch.long)  # every account of the batch has the same history
         batched = {n: gather_states(state, many) for n, state in histories.items()}
         one = histories[HISTORIES[-1]]
         steps = {str(n): (lambda s=state: detector.step(events, s)) for n, state in batched.items()}
-        seconds = _seconds_per_call({**steps, "latency": lambda: detector.step(events[:1], one)}, seconds=4.0)
+        seconds = seconds_per_call({**steps, "latency": lambda: detector.step(events[:1], one)}, seconds=4.0)
         step_s = [seconds[str(n)] for n in HISTORIES]
         results["step_events_per_s"] = STEP_BATCH * len(step_s) / sum(step_s)
         for n, s in zip(HISTORIES, step_s, strict=True):
@@ -158,7 +127,7 @@ def run_model_bench(models: list[str] | None = None) -> dict[str, dict[str, floa
         print(f"{name}: {results[name]}", flush=True)
     # This shared machine's speed drifts by tens of percent between runs: a fixed matmul shows its mood.
     a, b = torch.randn(STEP_BATCH, 64), torch.randn(64, 256)
-    matmul_us = _seconds_per_call({"mm": lambda: a @ b})["mm"] * 1e6
+    matmul_us = seconds_per_call({"mm": lambda: a @ b})["mm"] * 1e6
     print(
         f"\nmachine speed check: [{STEP_BATCH}, 64] @ [64, 256] float32 matmul {matmul_us:.0f} us"
         f"\ndetectors at default size, float32, 1 thread; training chunks of {TRAIN_BATCH} x {TRAIN_EVENTS} "

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from models.contract import STATE_VERSION, RecurrentDetector
+from models.contract import RecurrentDetector
 from models.registry import build_detector
+from models.state_codec import STATE_VERSION
 from pipeline.features.spec import FeatureSpec
 
 ARTIFACT_VERSION = 1

@@ -1,9 +1,12 @@
-"""Shared pieces of the detector tests: tiny detectors, random events, stepping and chunking drivers."""
+"""Shared pieces of the detector tests: tiny detectors and comparisons of scores and states.
+
+Random events and the stepping and chunking drivers are models/parity.py's, shared with the diagnostics."""
 
 import torch
 from torch import Tensor
 
-from models.contract import RecurrentDetector, State, detach_state, gather_states, scatter_states
+from models.contract import RecurrentDetector, State
+from models.parity import valid_mask
 from models.registry import REGISTRY, build_detector
 
 DETECTORS = sorted(REGISTRY)  # every registered detector, no exemptions
@@ -23,73 +26,6 @@ def make_detector(
 def generator(seed: int) -> torch.Generator:
     """A seeded generator on the device the tests run on (see tests/models/conftest.py)."""
     return torch.Generator(torch.get_default_device()).manual_seed(seed)
-
-
-def make_events(detector: RecurrentDetector, batch: int, events: int, seed: int = 0) -> Tensor:
-    """Valid random events [B, T, F] in the detector's dtype: normal features, then a terminal bucket."""
-    config = detector.config
-    g = generator(seed)
-    numeric = torch.randn(batch, events, config.num_features, generator=g, dtype=torch.float64)
-    bucket = torch.randint(0, config.terminal_buckets, (batch, events, 1), generator=g).double()
-    return torch.cat([numeric, bucket], -1).to(next(detector.parameters()).dtype)
-
-
-def step_through(
-    detector: RecurrentDetector, x: Tensor, state: State | None = None, lengths: Tensor | None = None
-) -> tuple[Tensor, State]:
-    """Serving path: one `step` per event. With lengths, each account's state is taken after its own last
-    event and its scores past that are NaN."""
-    B, T, _ = x.shape
-    state = detector.init_state(B) if state is None else state
-    final = clone_state(state)
-    ends: dict[int, list[int]] = {}
-    for account, length in enumerate([T] * B if lengths is None else lengths.tolist()):
-        ends.setdefault(length - 1, []).append(account)
-    scores = torch.empty(B, T, dtype=x.dtype)
-    for t in range(T):
-        scores[:, t], state = detector.step(x[:, t], state)
-        if t in ends:
-            index = torch.tensor(ends[t])
-            scatter_states(final, index, gather_states(state, index))
-    return scores.masked_fill(~valid_mask(lengths, B, T), float("nan")), final
-
-
-def forward_in_chunks(
-    detector: RecurrentDetector,
-    x: Tensor,
-    chunk_events: int | list[int],
-    state: State | None = None,
-    lengths: Tensor | None = None,
-    detach: bool = False,
-) -> tuple[Tensor, State]:
-    """Training path: forward over consecutive chunks with the state carried (detached if asked).
-
-    chunk_events: one size for every chunk, or a list of sizes (what they leave over is one last chunk).
-    """
-    T = x.shape[1]
-    sizes = list(chunk_events) if isinstance(chunk_events, list) else [chunk_events] * (-(-T // chunk_events))
-    scores, start = [], 0
-    for size in sizes:
-        if start >= T:
-            break
-        stop = min(T, start + size)
-        chunk_lengths = None if lengths is None else (lengths - start).clamp(0, stop - start)
-        score, state = detector(x[:, start:stop], state, chunk_lengths)
-        state = detach_state(state) if detach else state
-        scores.append(score)
-        start = stop
-    if start < T:
-        score, state = detector(
-            x[:, start:], state, None if lengths is None else (lengths - start).clamp(min=0)
-        )
-        scores.append(score)
-    return torch.cat(scores, 1), state
-
-
-def valid_mask(lengths: Tensor | None, batch: int, events: int) -> Tensor:
-    if lengths is None:
-        return torch.ones(batch, events, dtype=torch.bool)
-    return torch.arange(events)[None, :] < lengths[:, None]
 
 
 def max_score_diff(a: Tensor, b: Tensor, lengths: Tensor | None = None) -> float:
@@ -122,3 +58,8 @@ def states_close(a: State, b: State, atol: float = 1e-6) -> bool:
 
 def clone_state(state: State) -> State:
     return {k: v.clone() for k, v in state.items()}
+
+
+def concat_states(states: list[State]) -> State:
+    """One batch out of several (e.g. single accounts decoded one by one)."""
+    return {key: torch.cat([s[key] for s in states]) for key in states[0]}

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from models.contract import DetectorConfig
+from models.parity import random_events
 from models.registry import REGISTRY, build_detector, config_class
-from tests.models.helpers import DETECTORS, make_detector, make_events
+from tests.models.helpers import DETECTORS, make_detector
 
 
 def test_registry_names_the_three_detectors():
@@ -34,7 +35,7 @@ def test_config_travels_as_a_dict_and_rebuilds_the_same_detector(name):
     rebuilt = build_detector(name, values)
     assert rebuilt.config == detector.config
     rebuilt.load_state_dict(detector.state_dict())
-    x = make_events(detector, 2, 9).float()
+    x = random_events(detector, 2, 9).float()
     with torch.no_grad():
         assert torch.equal(rebuilt.eval()(x)[0], detector.float()(x)[0])
     assert build_detector(name).config == config_class(name)()
@@ -60,7 +61,7 @@ def test_mistakes_raise_errors_that_say_what_to_do():
 @pytest.mark.parametrize("name", DETECTORS)
 def test_bad_inputs_are_named(name):
     detector = make_detector(name)
-    x = make_events(detector, 2, 5)
+    x = random_events(detector, 2, 5)
     with pytest.raises(
         ValueError, match=r"expected input of shape \[B, T, F\] with F = 6 .* got \[2, 5, 5\]"
     ):

@@ -15,8 +15,8 @@ import torch
 from consumers.scoring.account_state import AccountRecord, decode_account_record
 from consumers.scoring.messages import Transaction, transactions_from_frame
 from consumers.scoring.scorer import Scorer
-from models.contract import encode_account_state
 from models.registry import REGISTRY, build_detector
+from models.state_codec import encode_account_state
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features import TERMINAL_BUCKET_COLUMN, FeatureSpec, compute_features, fit_feature_spec
 from pipeline.registry.artifact import LoadedModel

@@ -1,24 +1,29 @@
-"""The serving step of linear attention as one compiled pass per layer (numba, CPU): the fast path of
-models/linear_transformer.py `linear_attention_step`, which stays the reference it is tested against.
+"""Linear attention's recurrence compiled (numba, CPU): the serving step's fast path, the arithmetic of
+recurrent.py's `recurrent_step` in one pass per layer (the shared signature: models/linear_attention/__init__.py).
 
 In torch the step's attention is a dozen small operations per layer (two lerps, an outer product, two
 products and sums, a division, the views between them), each with its own call overhead and its own pass
 over the [B, H, D, D] state: at 280 accounts a layer's state is 2.3 MB, written and read again five times.
-Here one loop per (account, head) reads S / n once, writes the new S / n once, and forms phi(q) S and
+Here one loop per (event, head) reads S / n once, writes the new S / n once, and forms phi(q) S and
 phi(q) . Z from the values it has just written; on the service's state table it reads and writes the
-accounts' rows where they lie, so no gather or scatter copies the states around the step. The feature map
-phi stays in torch: computed in the loop with a scalar exp, it made the kernel 3.7x slower at 283
-accounts.
+accounts' rows where they lie (`fused_step_rows`), so no gather or scatter copies the states around the
+step. The feature map phi stays in torch: computed in the loop with a scalar exp, it made the kernel 3.7x
+slower at 283 accounts.
 
-The arithmetic is the reference's, term for term: torch.lerp's two branches (start + w (end - start) for
+The arithmetic is recurrent_step's, term for term: torch.lerp's two branches (start + w (end - start) for
 w < 0.5, end - (end - start)(1 - w) from 0.5 on), the same products. Only the order of the sums over D
-differs, so the results agree to float rounding (tests/models/test_linear_attention_fused.py), not bit
-for bit. Shapes: B accounts, L layers, H heads, D head dim.
+differs, so the results agree to float rounding (tests/models/test_linear_attention.py,
+test_linear_attention_fused.py), not bit for bit. Shapes: B accounts, N events, L layers, H heads, D head
+dim (the kernel takes Dv = D).
 """
 
 import numpy as np
+import torch
 from numba import njit
 from torch import Tensor
+
+from models.contract import earlier_occurrences
+from models.linear_attention.state import LinearAttentionState, inputs_with_defaults
 
 
 @njit(cache=True)
@@ -59,7 +64,7 @@ def _attention_step(phi_qk, qkv, s_src, z_src, src_rows, s_dst, z_dst, dst_rows,
                 att[b, h, j] = numerator[j] / denominator
 
 
-def fused_step(
+def fused_step_rows(
     phi_qk: Tensor,
     qkv: Tensor,
     source: tuple[dict, Tensor],
@@ -67,11 +72,13 @@ def fused_step(
     layer: int,
     share: Tensor,
 ) -> Tensor:
-    """linear_attention_step for one layer, from phi_qk [B, 2, H, D] (phi(q), phi(k)) and qkv [B, 3, H, D]
-    (v is qkv[:, 2]). source and destination: (states {"s": [*, L, H, D, D], "z": [*, L, H, D]}, rows [B]
-    int64): account b's means are read at source row b and the new ones written at destination row b.
-    share [B] = 1 / (n + 1). Returns the attention output [B, H, D]. Every tensor on CPU, in one float
-    dtype."""
+    """recurrent_step for N events of one layer, on the rows of state tables: the attention output [N, H, D].
+
+    phi_qk [N, 2, H, D]: phi(q), phi(k); qkv [N, 3, H, D]: v is qkv[:, 2]. source and destination: (states
+    {"s": [*, L, H, D, D], "z": [*, L, H, D]}, rows [N] int64): event i reads its account's means at
+    source row i and writes the new ones at destination row i (the same table and rows for an update in
+    place, where a row may repeat: the events then apply in order). share [N] = 1 / (n + 1), n the events
+    its account had seen. Every tensor on CPU, in one float dtype, outside autograd."""
     (src, src_rows), (dst, dst_rows) = source, destination
     att = qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
     _attention_step(
@@ -89,3 +96,32 @@ def fused_step(
         att.numpy(),
     )
     return att
+
+
+@torch.no_grad()
+def linear_attention_fused(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    state: LinearAttentionState | None = None,
+    valid: Tensor | None = None,
+) -> tuple[Tensor, LinearAttentionState]:
+    """Outputs [B, H, T, D] (zeros where not valid) and the state after the last valid event of each
+    account. CPU only, float32 or float64, no gradients; v's dim must be D."""
+    state, valid = inputs_with_defaults(phi_k, v, state, valid)
+    B, H, T, D = phi_q.shape
+    if v.shape[-1] != D or phi_q.device.type != "cpu":
+        raise ValueError(
+            f"the fused form runs on CPU with v [B, H, T, D]; got v {list(v.shape)} on {v.device}"
+        )
+    # The valid events in the order they apply, event t of every account before event t + 1: the kernel's
+    # in-place walk over one table of B rows, an account's row repeating once per event.
+    t, rows = valid.t().nonzero(as_tuple=True)  # [N] each
+    qkv = torch.stack([phi_q, phi_k, v], 1)[rows, :, :, t]  # [N, 3, H, D]
+    seen = state.n[rows] + earlier_occurrences(rows)  # [N] events of the account before this one
+    share = 1.0 / (seen + 1).to(phi_k.dtype)
+    table = {"s": state.s.to(phi_k.dtype)[:, None].clone(), "z": state.z.to(phi_k.dtype)[:, None].clone()}
+    att = fused_step_rows(qkv[:, :2].contiguous(), qkv, (table, rows), (table, rows), 0, share)
+    out = v.new_zeros(B, H, T, D)
+    out[rows, :, t] = att
+    return out, LinearAttentionState(table["s"][:, 0], table["z"][:, 0], state.n + valid.sum(1))

@@ -1,0 +1,159 @@
+"""The byte codec of detector states: one versioned, fixed-size record per account.
+
+Record layout (little-endian):
+
+    MAGIC (4 bytes) | STATE_VERSION (u16) | name length (u8) | detector name (utf-8)
+    | config fingerprint (8 bytes) | dtype code (u8) | payload: the state tensors, keys in sorted order,
+      each as raw bytes of its dtype, batch axis dropped
+
+Bump STATE_VERSION whenever the payload layout of any detector changes. A record that does not match the
+detector reading it is refused with what differs and what to do about it.
+"""
+
+import struct
+import sys
+
+import numpy as np
+import torch
+
+from models.contract import RecurrentDetector, State
+
+MAGIC = b"TXSS"
+STATE_VERSION = 1
+_FLOAT_CODES = {torch.float32: 1, torch.float64: 2}
+_CODE_FLOATS = {code: dtype for dtype, code in _FLOAT_CODES.items()}
+if sys.byteorder != "little":  # the records are raw little-endian bytes
+    raise ImportError("models.state_codec writes state records as little-endian; this machine is big-endian")
+
+
+def _layout(detector: RecurrentDetector) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    with torch.no_grad():
+        template = detector.init_state(1)
+    return [(key, tuple(template[key].shape[1:]), template[key].dtype) for key in sorted(template)]
+
+
+def _header(detector: RecurrentDetector) -> bytes:
+    name = detector.name.encode()
+    return (
+        MAGIC
+        + struct.pack("<HB", STATE_VERSION, len(name))
+        + name
+        + detector.config.fingerprint()
+        + struct.pack("<B", _FLOAT_CODES[detector.state_dtype])
+    )
+
+
+# (detector name, config, state dtype) -> (layout, header): both are fixed for a config and dtype, and the
+# service encodes thousands of account records per poll, so they are worked out once.
+_CODECS: dict[tuple, tuple[list[tuple[str, tuple[int, ...], torch.dtype]], bytes]] = {}
+
+
+def _codec(detector: RecurrentDetector) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], bytes]:
+    key = (detector.name, detector.config, detector.state_dtype)
+    if key not in _CODECS:
+        _CODECS[key] = (_layout(detector), _header(detector))
+    return _CODECS[key]
+
+
+def _payload_bytes(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> int:
+    return sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for _, shape, dtype in layout)
+
+
+def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
+    """One versioned record per account of a batched state."""
+    return [row.tobytes() for row in encode_state_rows(detector, state)]
+
+
+def encode_state_rows(detector: RecurrentDetector, state: State) -> np.ndarray:
+    """encode_state as one array [B, record bytes] uint8, row b account b's record: for callers that join
+    it to more columns before cutting records (consumers/scoring/account_state.py)."""
+    layout, header = _codec(detector)
+    if sorted(state) != [key for key, _, _ in layout]:
+        raise ValueError(
+            f"{detector.name}: state has keys {sorted(state)}, expected {[k for k, _, _ in layout]}"
+        )
+    batch = next(iter(state.values())).shape[0]
+    columns = []
+    for key, shape, dtype in layout:
+        value = state[key]
+        if tuple(value.shape) != (batch, *shape) or value.dtype != dtype:
+            raise ValueError(
+                f"{detector.name}: state[{key!r}] is {value.dtype} {list(value.shape)}, "
+                f"expected {dtype} {[batch, *shape]}"
+            )
+        array = value.detach().to("cpu").contiguous().numpy().reshape(batch, -1)
+        columns.append(array.view(np.uint8))  # [B, bytes of this tensor per account]
+    prefix = np.broadcast_to(np.frombuffer(header, dtype=np.uint8), (batch, len(header)))
+    return np.concatenate([prefix, *columns], axis=1)
+
+
+def decode_state(detector: RecurrentDetector, records: list[bytes]) -> State:
+    """Inverse of encode_state: a batch of len(records) accounts, on the detector's device.
+
+    Raises ValueError naming the first record that does not match this detector and what to do about it.
+    """
+    layout, header = _codec(detector)
+    expected = len(header) + _payload_bytes(layout)
+    for i, record in enumerate(records):
+        if len(record) != expected or not record.startswith(header):
+            raise ValueError(f"state record {i}: {_mismatch(detector, record, header, expected)}")
+    if not records:
+        return {
+            key: torch.empty(0, *shape, dtype=dtype, device=detector.device) for key, shape, dtype in layout
+        }
+    rows = np.frombuffer(b"".join(records), dtype=np.uint8).reshape(len(records), expected)
+    rows = rows[:, len(header) :]
+    state, offset = {}, 0
+    for key, shape, dtype in layout:
+        width = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        chunk = rows[:, offset : offset + width].copy()  # contiguous rows, writable, aligned
+        tensor = torch.from_numpy(chunk).view(dtype).reshape(len(records), *shape)
+        state[key] = tensor.to(detector.device)
+        offset += width
+    return state
+
+
+def encode_account_state(detector: RecurrentDetector, state: State) -> bytes:
+    """The record of a single account (a state of batch 1)."""
+    batch = next(iter(state.values())).shape[0]
+    if batch != 1:
+        raise ValueError(f"encode_account_state takes a state of one account, got a batch of {batch}")
+    return encode_state(detector, state)[0]
+
+
+def decode_account_state(detector: RecurrentDetector, record: bytes) -> State:
+    """A state of batch 1 from one account's record."""
+    return decode_state(detector, [record])
+
+
+def _mismatch(detector: RecurrentDetector, record: bytes, header: bytes, expected: int) -> str:
+    rebuild = "restore with the model artifact that wrote it, or rebuild the state by replaying the account's history"
+    if not record.startswith(MAGIC):
+        return f"not a txsentinel detector state (starts with {record[:4]!r}, expected {MAGIC!r})"
+    if len(record) < 7:
+        return f"truncated: {len(record)} bytes"
+    version, name_len = struct.unpack_from("<HB", record, 4)
+    if version != STATE_VERSION:
+        return (
+            f"state version {version}, this build reads version {STATE_VERSION}: the state layout changed; "
+            f"{rebuild} through this model"
+        )
+    name = record[7 : 7 + name_len].decode(errors="replace")
+    if name != detector.name:
+        return f"state of detector {name!r}, but this model is {detector.name!r}; {rebuild}"
+    at = 7 + name_len
+    fingerprint = record[at : at + 8]
+    if fingerprint != detector.config.fingerprint():
+        return (
+            f"written by a {name!r} with config fingerprint {fingerprint.hex()}, this model's is "
+            f"{detector.config.fingerprint().hex()} ({detector.config.to_dict()}); {rebuild}"
+        )
+    code = record[at + 8] if len(record) > at + 8 else None
+    if code != _FLOAT_CODES[detector.state_dtype]:
+        return (
+            f"state stored as {_CODE_FLOATS.get(code, f'unknown dtype code {code}')}, this model serves "
+            f"{detector.state_dtype}: cast the model (detector.to(dtype)) to the state's dtype, or rebuild the state"
+        )
+    if record[: len(header)] != header:
+        return "header does not match this detector"
+    return f"{len(record)} bytes, expected {expected} for {detector.name!r} with this config: the record is corrupt"
