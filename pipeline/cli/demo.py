@@ -104,9 +104,9 @@ def _promote_best(results: list) -> str:
 
 
 def _serve_config(prefix: str):
-    from consumers.runtime.settings import DEFAULT_CONFIG_FILE, load_serve_config
+    from consumers.runtime.settings import load_serve_config
 
-    return load_serve_config(DEFAULT_CONFIG_FILE, {"topic_prefix": prefix, "transactions_partitions": 3})
+    return load_serve_config(None, {"topic_prefix": prefix, "transactions_partitions": 3})
 
 
 def _prepare_topics(bootstrap: str, prefix: str) -> None:

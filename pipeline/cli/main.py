@@ -78,7 +78,7 @@ def _add_serve_settings(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--group-id", default=None, help="the scoring consumer group (default from the config)")
     p.add_argument(
-        "--config", type=Path, default=None, help="serve settings YAML (default configs/serve.yaml)"
+        "--config", type=Path, default=None, help="YAML of the serve settings that differ from the defaults"
     )
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting (repeatable)")
 
@@ -87,13 +87,13 @@ def _serve_config(args: argparse.Namespace):
     """The serve settings of `serve` and `terminal-writer`: the YAML, then --group-id and --set; and logging."""
     import logging
 
-    from consumers.runtime.settings import DEFAULT_CONFIG_FILE, load_serve_config, parse_settings
+    from consumers.runtime.settings import load_serve_config, parse_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     overrides = parse_settings(args.set)
     if args.group_id:
         overrides["group_id"] = args.group_id
-    return load_serve_config(args.config or DEFAULT_CONFIG_FILE, overrides)
+    return load_serve_config(args.config, overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
