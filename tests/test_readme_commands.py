@@ -185,7 +185,7 @@ def test_readme_commands_run_as_written(kafka_bootstrap, tmp_path):
     trained = {}
     for words in each("txsentinel train"):
         if "--config" not in words and "logreg" not in words:
-            words += ["--config", "configs/train/tiny.yaml"]  # the tiny CPU profile under the README's --set
+            words += ["--config", "configs/train/quick.yaml"]  # the quick profile under the README's --set
         out = run(words, tmp_path, env)
         model = words[words.index("--model") + 1]
         trained[model] = re.search(r"\brun ([0-9a-f]{32})\b", out).group(1)  # "trained lstm: run ID, ..."

@@ -2,7 +2,7 @@
 
 1. start the project's Kafka broker (or use the one already running);
 2. generate a dataset with known fraud;
-3. train the three sequence detectors and the four per-event baselines (tiny CPU profile), tracked and
+3. train the three sequence detectors (quick CPU profile) and the four per-event baselines, tracked and
    registered in a local MLflow store;
 4. promote the sequence detector with the best validation AP to `champion`, print the comparison table;
 5. start `txsentinel serve` with the champion, stream the test period's transactions (and their labels, on
@@ -73,7 +73,7 @@ def _generated_with(data_dir: Path) -> dict | None:
 
 
 def _train_all(cfg: DemoConfig, data_dir: Path, events_per_day: float) -> list:
-    from pipeline.training.config import load_train_config
+    from pipeline.training.config import QUICK_PROFILE, load_train_config
     from pipeline.training.train import train
 
     results = []
@@ -81,15 +81,12 @@ def _train_all(cfg: DemoConfig, data_dir: Path, events_per_day: float) -> list:
         f"test_days={cfg.test_days}",
         f"alert_budget_per_day={max(5, round(events_per_day * cfg.alert_share))}",
         f"max_epochs={cfg.max_epochs}",
-        "chunk_events=32",
-        "model_config.d_model=16",
-        "model_config.num_layers=1",
-        "model_config.dropout=0.0",
     ]
     for model in cfg.models:
-        overrides = settings if model in SEQUENCE_MODELS else settings[:1]
+        sequence = model in SEQUENCE_MODELS
+        profile, overrides = (QUICK_PROFILE, settings) if sequence else (None, settings[:1])
         results.append(
-            train(load_train_config(data_dir, None, overrides, model=model, out_dir=cfg.workdir / "train"))
+            train(load_train_config(data_dir, profile, overrides, model=model, out_dir=cfg.workdir / "train"))
         )
     return results
 
@@ -294,7 +291,7 @@ def run_demo(cfg: DemoConfig) -> int:
             else:
                 run_generate(wanted, data_dir)
 
-            _stage(f"train {', '.join(cfg.models)} (tiny CPU profile)")
+            _stage(f"train {', '.join(cfg.models)} (sequence detectors on the quick CPU profile)")
             frame = read_dataset(data_dir)
             results = _train_all(cfg, data_dir, frame.height / cfg.days)
 

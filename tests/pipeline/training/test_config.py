@@ -1,14 +1,16 @@
 """Train settings: defaults in code, profiles of what differs, and errors that name the file and the key."""
 
-from pathlib import Path
-
 import pytest
 import yaml
 
 from models.registry import REGISTRY, config_class
-from pipeline.training.config import TrainConfig, load_train_config
+from pipeline.training.config import PROFILES_DIR, QUICK_PROFILE, TrainConfig, load_train_config
 
-PROFILES = sorted((Path(__file__).resolve().parents[3] / "configs" / "train").glob("*.yaml"))
+PROFILES = sorted(PROFILES_DIR.glob("*.yaml"))
+
+
+def test_the_profile_the_demo_and_notebooks_train_with_is_shipped():
+    assert QUICK_PROFILE in PROFILES
 
 
 def test_without_a_file_the_settings_are_the_defaults(tmp_path):
