@@ -28,7 +28,7 @@ import polars as pl
 
 from consumers.scoring.scorer import Scorer
 from pipeline.data.dataset import read_dataset
-from pipeline.data.splits import DAY, Period, dataset_days
+from pipeline.data.splits import DAY, Period, dataset_days, prequential_test_periods
 from pipeline.evaluation.protocol import (
     BUDGETS,
     DetectionMetrics,
@@ -133,18 +133,6 @@ class BacktestResult:
         }
 
 
-def fold_periods(last: Period, folds: int, data_days: Period) -> list[Period]:
-    """Test periods, the most recent first, each shifted back by one test length."""
-    periods = [last.shifted(-f * (last.end - last.start)) for f in range(folds)]
-    if periods[-1].start < data_days.start or last.end > data_days.end:
-        raise ValueError(
-            f"{folds} fold(s) of {last.days} test days ending {last.end.date()} need data from "
-            f"{periods[-1].start.date()} to {last.end.date()}; the dataset spans {data_days}. "
-            "Use fewer --folds, a shorter or later test period."
-        )
-    return periods
-
-
 def alerts_per_day(scored: pl.DataFrame, test: Period) -> pl.DataFrame:
     """Per test day at the scorer's threshold: events, alerting events and accounts, share of alerts that
     are fraud (null on a day without alerts)."""
@@ -211,7 +199,7 @@ def backtest(cfg: BacktestConfig) -> BacktestResult:
         raise ValueError(f"dataset {cfg.data} has no is_fraud labels: a backtest needs known outcomes")
     span = dataset_days(frame)
     last = cfg.test_period or Period(span.end - DEFAULT_TEST_DAYS * DAY, span.end)
-    periods = fold_periods(last, cfg.folds, span)
+    periods = prequential_test_periods(last, cfg.folds, span)
     _warn_on_training_overlap(model.meta, periods)
 
     scorer = Scorer(model)
@@ -356,6 +344,5 @@ __all__ = [
     "alerts_per_day",
     "backtest",
     "budget_curve",
-    "fold_periods",
     "write_report",
 ]
