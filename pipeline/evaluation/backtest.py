@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import numpy as np
 import polars as pl
+from tqdm.auto import tqdm
 
 from consumers.scoring.scorer import Scorer
 from pipeline.data.dataset import read_dataset
@@ -37,7 +39,7 @@ from pipeline.evaluation.protocol import (
     scenario_metrics,
 )
 from pipeline.evaluation.report_plots import bar_plot, line_plot
-from pipeline.registry.tracking import load_model
+from pipeline.registry.tracking import configure_tracking, load_model
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +166,6 @@ def alerts_per_day(scored: pl.DataFrame, test: Period) -> pl.DataFrame:
 def _replay(scorer: Scorer, frame: pl.DataFrame, batch_events: int, progress_bar: bool) -> pl.DataFrame:
     if not progress_bar:
         return scorer.replay(frame, batch_events)
-    from tqdm.auto import tqdm
-
     with tqdm(total=frame.height, unit="ev", desc="replay", mininterval=1.0) as bar:
 
         def progress(done: int, total: int) -> None:
@@ -299,10 +299,6 @@ def write_report(result: BacktestResult, out: Path) -> list[Path]:
 
 def _log_to_mlflow(result: BacktestResult, training_run_id: str | None, detector: str) -> str:
     """Log against the model's training run when this tracking store has it, else a new "backtest" run."""
-    import mlflow
-
-    from pipeline.registry.tracking import configure_tracking
-
     configure_tracking()
     client = mlflow.MlflowClient()
     run_id = None
