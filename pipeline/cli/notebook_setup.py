@@ -8,6 +8,7 @@ from pathlib import Path
 from pipeline.cli.commands import run_generate
 from pipeline.data.dataset import TRANSACTIONS_FILE
 from pipeline.data.generate import GenerateConfig
+from pipeline.training.config import QUICK_PROFILE, load_train_config
 
 # On top of the quick CPU profile: shorter still, and no progress bars in the cells' output.
 NOTEBOOK_RUN = ["max_epochs=2", "progress_bar=false"]
@@ -30,7 +31,8 @@ def ensure_model(model_uri: str | None, data_dir: Path, workdir: Path) -> str:
     beside it, so the comparison notebook has something to compare) and return the LSTM's runs:/ URI."""
     if model_uri is not None:
         return model_uri
-    from pipeline.training.config import QUICK_PROFILE, load_train_config
+    # Only here, where a model must be trained: a notebook handed a model never needs Lightning, whose import
+    # adds about half again to what the backtest notebook imports anyway (measured with -X importtime).
     from pipeline.training.train import train
 
     train(load_train_config(data_dir, None, NOTEBOOK_RUN, model="logreg", out_dir=workdir / "train"))
