@@ -239,7 +239,7 @@ def prepared(tmp_path_factory) -> Workdir:
     trained = {}
     for words in work.each("txsentinel train"):
         if "--config" not in words and "logreg" not in words:
-            words += ["--config", "configs/train/tiny.yaml"]  # the tiny CPU profile under the docs' --set
+            words += ["--config", "configs/train/quick.yaml"]  # the quick profile under the docs' --set
         out = run(words, tmp_path, env)
         model = words[words.index("--model") + 1]
         trained[model] = re.search(r"\brun ([0-9a-f]{32})\b", out).group(1)  # "trained lstm: run ID, ..."

@@ -1,4 +1,5 @@
-"""The scoring service's settings: a frozen dataclass, loaded from configs/serve.yaml plus overrides.
+"""The scoring service's settings: a frozen dataclass whose defaults serve as they are; a deployment's YAML
+file (`txsentinel serve --config FILE`) holds only what it changes, and `--set` overrides come last.
 
 Kafka security (TLS, SASL) comes from TXS_KAFKA_* environment variables only, never from a file in the
 repository, so no secret is ever committed next to the code.
@@ -12,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[2] / "configs" / "serve.yaml"
 
 # environment variable -> kafka-python client setting
 SECURITY_ENV = {
@@ -172,7 +171,7 @@ def security_from_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 def load_serve_config(
-    config_file: Path | None = DEFAULT_CONFIG_FILE,
+    config_file: Path | None = None,
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> ServeConfig:

@@ -1,19 +1,21 @@
-"""`txsentinel bench features`: batch and streaming featurizer throughput on one core, printed as a table."""
+"""`txsentinel bench features` and `bench replay`: featurizer throughput, and history replayed through the
+live scorer, on one core (pipeline/bench/cores.py pins it before this module is imported), printed as tables.
+"""
 
 import os
 import platform
 import time
 
 import numpy as np
+import polars as pl
+import torch
 
-
-def pin_to_one_core() -> None:
-    """Run on one core: polars sizes its thread pool from the CPUs this process may use."""
-    if "polars" in __import__("sys").modules:
-        raise RuntimeError("pin_to_one_core must run before polars is imported")
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    os.environ["POLARS_MAX_THREADS"] = "1"
+from consumers.scoring.scorer import Scorer
+from models.registry import build_detector
+from pipeline.data.generate import GenerateConfig, generate
+from pipeline.features import StreamingFeaturizer, compute_features, fit_feature_spec, replay_batches
+from pipeline.features.state import ACCOUNT_STATE, TERMINAL_STATE
+from pipeline.registry.artifact import LoadedModel
 
 
 def _machine() -> str:
@@ -27,12 +29,6 @@ def _machine() -> str:
 
 
 def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, float]:
-    import polars as pl
-
-    from pipeline.data.generate import GenerateConfig, generate
-    from pipeline.features import StreamingFeaturizer, compute_features, replay_batches
-    from pipeline.features.state import ACCOUNT_STATE, TERMINAL_STATE
-
     accounts = 5000
     # ~1.9 events per account-day in the generator's default shape; a little extra, then cut to `events`.
     days = max(30, int(events / (accounts * 1.8)) + 2)
@@ -87,14 +83,6 @@ def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, fl
 def run_replay_bench(events: int, models: list[str], batch_events: int, seed: int) -> dict[str, float]:
     """Events/s of a history replayed through the live scorer (what `txsentinel backtest` runs), per
     detector at its default size. The detectors are untrained: the cost does not depend on the weights."""
-    import torch
-
-    from consumers.scoring.scorer import Scorer
-    from models.registry import build_detector
-    from pipeline.data.generate import GenerateConfig, generate
-    from pipeline.features import compute_features, fit_feature_spec
-    from pipeline.registry.artifact import LoadedModel
-
     torch.set_num_threads(1)
     accounts = 5000
     days = max(30, int(events / (accounts * 1.8)) + 2)

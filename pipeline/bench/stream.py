@@ -30,6 +30,10 @@ Run: `python -m pipeline.bench.stream [--events N] [--detectors lstm linear_tran
 `--detectors` are untrained, default-size detectors (threshold at a 1% alert rate), `--model` any model the
 service loads (`models:/txsentinel@champion`, `runs:/...`, a directory), with its own threshold. The broker is
 the project's (scripts/kafka.sh): reused if it is up, otherwise started and stopped again at the end.
+
+Run with `python -m`, this module is imported again by each spawned child (multiprocessing re-imports the
+main module) before the child pins its core: like stream_harness, it imports no polars, torch or MLflow at
+the top, and the three functions that need them import them inside.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from pathlib import Path
 import numpy as np
 
 from consumers.runtime.metrics import free_port, scrape
+from consumers.runtime.settings import load_serve_config, parse_settings
+from pipeline.bench.broker import kafka_port, port_open, project_broker
 from pipeline.bench.stream_harness import (
     create_topic,
     default_core,
@@ -190,7 +196,7 @@ def run_stream_bench(
     Returns {"service": {...}, "raw": {...}, "half_rate": {...}, "raw_half_rate": {...}, "ratio": service/raw,
     ...}.
     """
-    from pipeline.registry.artifact import LoadedModel, save_model_dir
+    from pipeline.registry.artifact import LoadedModel, save_model_dir  # torch, polars (module docstring)
 
     core = default_core() if core == -1 else core
     ctx = mp.get_context("spawn")  # a clean interpreter per child: no forked Kafka threads or torch state
@@ -258,6 +264,7 @@ def build_default_model(name: str, out_dir: Path, seed: int = 0, alert_rate: flo
     an untrained one's scores sit around 0.5, and at the default threshold it alerted on up to half the
     events, an extra record per event that no real deployment writes.
     """
+    # torch and polars, never in a child (module docstring)
     import torch
 
     from consumers.scoring.scorer import Scorer
@@ -331,18 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.phase_log is not None:
         args.phase_log.mkdir(parents=True, exist_ok=True)
-    from consumers.runtime.settings import load_serve_config, parse_settings
-
     settings = parse_settings(args.set)
     load_serve_config(config_file=None, overrides=settings, env={})  # a bad setting fails now, not in a child
     detectors = args.detectors or ([] if args.model else ["lstm", "linear_transformer"])
     # A URI is resolved once, here: a bad one fails before any broker work, and the children load a directory.
-    from pipeline.registry.tracking import load_model
+    from pipeline.registry.tracking import load_model  # MLflow, torch (module docstring)
 
     trained = {uri: load_model(uri) for uri in args.model}
-
-    from pipeline.bench.broker import kafka_port, port_open, project_broker
-
     core = default_core()
     already_up = port_open(kafka_port())
     keep_off(core)

@@ -3,16 +3,27 @@
 pipeline/bench/stream.py runs the bench with these: the service and the raw loop each in a spawned child
 pinned to one core (service_child, raw_child), the harness itself off that core (keep_off), and the topic,
 produce, wait and read steps around them.
+
+A spawned child imports this module before its target runs pin(): nothing imported at the top may import
+polars (it sizes its thread pool from the cores allowed when it is imported) or torch, so the two functions
+that need them import them inside.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
 
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.partitioner.default import murmur2
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
 from consumers.runtime.metrics import scrape
+from consumers.runtime.settings import ServeConfig, load_serve_config
+from consumers.scoring.messages import encode_transaction, transactions_from_frame
 
 log_prefix = "bench_stream:"
 
@@ -48,8 +59,6 @@ def service_child(
     """serve() pinned to `core`; with `phase_log`, the service's log at DEBUG goes to that file: a line a
     batch with its phases' seconds, timestamped, to place a slow batch against the broker's own logs."""
     pin(core)
-    import logging
-
     logging.basicConfig(level=logging.WARNING)
     if phase_log is not None:
         for handler in logging.getLogger().handlers:
@@ -59,8 +68,7 @@ def service_child(
         service_log = logging.getLogger("consumers.service.loop")
         service_log.setLevel(logging.DEBUG)
         service_log.addHandler(to_file)
-    from consumers.runtime.settings import load_serve_config
-    from consumers.service.loop import serve
+    from consumers.service.loop import serve  # polars and torch, once pinned (module docstring)
 
     serve(load_serve_config(config_file=None, overrides=overrides, env={}), model_dir, bootstrap)
 
@@ -70,11 +78,6 @@ def raw_child(
 ):
     """consume -> produce -> send_offsets_to_transaction -> commit per poll, like the service minus scoring."""
     pin(core)
-    from kafka import KafkaConsumer, KafkaProducer
-    from kafka.structs import OffsetAndMetadata
-
-    from consumers.runtime.settings import ServeConfig
-
     producer = KafkaProducer(
         bootstrap_servers=bootstrap,
         transactional_id=f"bench-raw-{uuid.uuid4().hex[:8]}",
@@ -112,8 +115,6 @@ def raw_child(
 
 # -- harness helpers -------------------------------------------------------------------------------------
 def admin_client(bootstrap):
-    from kafka import KafkaAdminClient
-
     return KafkaAdminClient(bootstrap_servers=bootstrap, client_id="txsentinel-bench")
 
 
@@ -170,9 +171,6 @@ def wait_scored(port: int, count: int, proc, timeout_s: float) -> None:
 
 def read_timestamps(bootstrap: str, topic: str, count: int, timeout_s: float, proc=None):
     """Read `count` committed records of `topic` -> {event_id: timestamp_ms} (event_id from the JSON value)."""
-    from kafka import KafkaConsumer
-    from kafka.structs import TopicPartition
-
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
     )
@@ -208,9 +206,6 @@ def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]], rat
     """Send all messages (rate: events/s, None = full speed); returns the achieved events/s. Each goes to
     its key's partition under the default partitioner, worked out before the clock starts: kafka-python's
     murmur2 is pure Python (~10 us a record), work the harness need not do beside the measured service."""
-    from kafka import KafkaProducer
-    from kafka.partitioner.default import murmur2
-
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks=1, linger_ms=2, batch_size=256 * 1024)
     try:
         count = len(producer.partitions_for(topic))
@@ -237,7 +232,7 @@ def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]], rat
 
 def generated_events(n: int, seed: int = 3):
     """n generated events in time order, as (key, value) messages, and the frame they came from."""
-    from consumers.scoring.messages import encode_transaction, transactions_from_frame
+    # polars: the harness's own work, never a child's (module docstring)
     from pipeline.data.generate import GenerateConfig, generate
 
     frame = generate(GenerateConfig(accounts=max(200, n // 40), days=45, seed=seed)).sort("ts", "event_id")

@@ -2,7 +2,7 @@
 
 1. start the project's Kafka broker (or use the one already running);
 2. generate a dataset with known fraud;
-3. train the three sequence detectors and the four per-event baselines (tiny CPU profile), tracked and
+3. train the three sequence detectors (quick CPU profile) and the four per-event baselines, tracked and
    registered in a local MLflow store;
 4. promote the sequence detector with the best validation AP to `champion`, print the comparison table;
 5. start `txsentinel serve` with the champion, stream the test period's transactions (and their labels, on
@@ -25,12 +25,22 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.partitioner.default import murmur2
+from kafka.structs import TopicPartition
 
+from consumers.runtime.settings import ServeConfig, load_serve_config
 from consumers.scoring.messages import Label, Transaction, encode_label, encode_transaction
+from consumers.scoring.scorer import Scorer
+from consumers.service.loop import ensure_topics
 from pipeline.bench.broker import project_broker
 from pipeline.cli.commands import run_generate
 from pipeline.data.dataset import TRANSACTIONS_FILE, read_dataset, read_metadata
 from pipeline.data.generate import GenerateConfig
+from pipeline.evaluation.compare import compare
+from pipeline.registry.tracking import load_model, promote
+from pipeline.training.config import QUICK_PROFILE, TrainResult, load_train_config
+from pipeline.training.train import train
 
 SEQUENCE_MODELS = ("lstm", "linear_transformer", "transformer")
 BASELINE_MODELS = ("logreg", "random_forest", "hist_gbdt", "isolation_forest")
@@ -72,49 +82,35 @@ def _generated_with(data_dir: Path) -> dict | None:
     return {key: config.get(key) for key in ("accounts", "days", "seed")}
 
 
-def _train_all(cfg: DemoConfig, data_dir: Path, events_per_day: float) -> list:
-    from pipeline.training.config import load_train_config
-    from pipeline.training.train import train
-
+def _train_all(cfg: DemoConfig, data_dir: Path, events_per_day: float) -> list[TrainResult]:
     results = []
     settings = [
         f"test_days={cfg.test_days}",
         f"alert_budget_per_day={max(5, round(events_per_day * cfg.alert_share))}",
         f"max_epochs={cfg.max_epochs}",
-        "chunk_events=32",
-        "model_config.d_model=16",
-        "model_config.num_layers=1",
-        "model_config.dropout=0.0",
     ]
     for model in cfg.models:
-        overrides = settings if model in SEQUENCE_MODELS else settings[:1]
+        sequence = model in SEQUENCE_MODELS
+        profile, overrides = (QUICK_PROFILE, settings) if sequence else (None, settings[:1])
         results.append(
-            train(load_train_config(data_dir, None, overrides, model=model, out_dir=cfg.workdir / "train"))
+            train(load_train_config(data_dir, profile, overrides, model=model, out_dir=cfg.workdir / "train"))
         )
     return results
 
 
-def _promote_best(results: list) -> str:
-    from pipeline.registry.tracking import promote
-
+def _promote_best(results: list[TrainResult]) -> str:
     sequence = [r for r in results if r.model in SEQUENCE_MODELS]
     best = max(sequence, key=lambda r: r.metrics.get("val/ap", 0.0))
     promote("champion", "txsentinel", run_id=best.run_id)
     return best.model
 
 
-def _serve_config(prefix: str):
-    from consumers.runtime.settings import DEFAULT_CONFIG_FILE, load_serve_config
-
-    return load_serve_config(DEFAULT_CONFIG_FILE, {"topic_prefix": prefix, "transactions_partitions": 3})
+def _serve_config(prefix: str) -> ServeConfig:
+    return load_serve_config(None, {"topic_prefix": prefix, "transactions_partitions": 3})
 
 
 def _prepare_topics(bootstrap: str, prefix: str) -> None:
     """The service's topics, and `labels` (the broker does not create topics on first use)."""
-    from kafka import KafkaAdminClient
-
-    from consumers.service.loop import ensure_topics
-
     serve_cfg = _serve_config(prefix)
     ensure_topics(serve_cfg, bootstrap)
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="txsentinel-demo")
@@ -129,12 +125,6 @@ def _seed_states(bootstrap: str, prefix: str, history: pl.DataFrame) -> int:
     """Warm start: the champion replays the history before the stream (the same Scorer the service runs)
     and each account's state goes to the changelog partition its transactions will use, so the service
     restores it on assignment, as if it had scored that history itself. Terminal state is not seeded."""
-    from kafka import KafkaProducer
-    from kafka.partitioner.default import murmur2
-
-    from consumers.scoring.scorer import Scorer
-    from pipeline.registry.tracking import load_model
-
     scorer = Scorer(load_model("models:/txsentinel@champion"))
     scorer.replay(history)
     changelog = _serve_config(prefix).topic("changelog")
@@ -188,9 +178,6 @@ def _wait_until_serving(service: subprocess.Popen, log_path: Path, deadline_s: f
 
 def _stream(cfg: DemoConfig, bootstrap: str, prefix: str, live: pl.DataFrame, labels: pl.DataFrame) -> dict:
     """Produce `live` at a steady rate (labels as they become known), read the scores as they come back."""
-    from kafka import KafkaConsumer, KafkaProducer
-    from kafka.structs import TopicPartition
-
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap, isolation_level="read_committed", auto_offset_reset="earliest"
@@ -294,7 +281,7 @@ def run_demo(cfg: DemoConfig) -> int:
             else:
                 run_generate(wanted, data_dir)
 
-            _stage(f"train {', '.join(cfg.models)} (tiny CPU profile)")
+            _stage(f"train {', '.join(cfg.models)} (sequence detectors on the quick CPU profile)")
             frame = read_dataset(data_dir)
             results = _train_all(cfg, data_dir, frame.height / cfg.days)
 
@@ -303,8 +290,6 @@ def run_demo(cfg: DemoConfig) -> int:
             print(f"champion: {champion}")
 
             _stage("compare")
-            from pipeline.evaluation.compare import compare
-
             compare(out=cfg.workdir / "comparison", data=data_dir)
 
             last_day = frame["ts"].max().replace(hour=0, minute=0, second=0, microsecond=0)

@@ -1,13 +1,20 @@
 """`txsentinel` command line: parses arguments into configs and calls plain functions.
 
-Heavy modules are imported inside each command, so `txsentinel --help` is instant and `bench` can pin the
-process to one core before polars starts its thread pool.
+Each command imports what it runs inside its own function, on purpose: at the top, `txsentinel serve` would
+also load Lightning for training (measured: as long again as the service's own imports, which take
+seconds), `--help` would wait for every command's imports, and `bench` could not pin the process to one core
+before polars sizes its thread pool (polars does so when it is imported). Only modules that import none of
+torch, polars, Lightning, MLflow or Kafka are imported at the top.
 """
 
 import argparse
+import logging
 import sys
 from datetime import date
 from pathlib import Path
+
+from consumers.runtime.settings import load_serve_config, parse_settings
+from pipeline.bench.cores import pin_to_one_core
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -78,22 +85,18 @@ def _add_serve_settings(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--group-id", default=None, help="the scoring consumer group (default from the config)")
     p.add_argument(
-        "--config", type=Path, default=None, help="serve settings YAML (default configs/serve.yaml)"
+        "--config", type=Path, default=None, help="YAML of the serve settings that differ from the defaults"
     )
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting (repeatable)")
 
 
 def _serve_config(args: argparse.Namespace):
     """The serve settings of `serve` and `terminal-writer`: the YAML, then --group-id and --set; and logging."""
-    import logging
-
-    from consumers.runtime.settings import DEFAULT_CONFIG_FILE, load_serve_config, parse_settings
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     overrides = parse_settings(args.set)
     if args.group_id:
         overrides["group_id"] = args.group_id
-    return load_serve_config(args.config or DEFAULT_CONFIG_FILE, overrides)
+    return load_serve_config(args.config, overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -140,8 +143,6 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pipeline.bench.features import pin_to_one_core
-
     if args.bench != "stream":  # the stream bench pins its service and raw loop, and keeps itself off them
         pin_to_one_core()
     if args.bench == "features":

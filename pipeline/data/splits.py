@@ -31,11 +31,6 @@ class Period:
             raise ValueError(f"period ends ({self.end.date()}) before it starts ({self.start.date()})")
 
     @classmethod
-    def of_days(cls, first_day: date | datetime, days: int) -> "Period":
-        start = _midnight(first_day)
-        return cls(start, start + days * DAY)
-
-    @classmethod
     def parse(cls, text: str) -> "Period":
         """'2026-03-01:2026-03-15' -> [Mar 1, Mar 15) — the end date itself is not included."""
         try:
@@ -88,31 +83,25 @@ class Split:
         delay = Period(train.end, test.start) if test.start > train.end else None
         return cls(train, delay, test)
 
-    @classmethod
-    def ending_at(cls, end: date | datetime, train_days: int, delay_days: int, test_days: int) -> "Split":
-        """The split whose test period ends at `end` (exclusive)."""
-        test = Period(_midnight(end) - test_days * DAY, _midnight(end))
-        delay = Period(test.start - delay_days * DAY, test.start) if delay_days else None
-        train_end = delay.start if delay else test.start
-        return cls(Period(train_end - train_days * DAY, train_end), delay, test)
-
     @property
     def label_cutoff(self) -> datetime:
         """Labels known when the model is trained and deployed: label_ts < test.start."""
         return self.test.start
 
-    def shifted(self, by: timedelta) -> "Split":
-        return Split(
-            self.train.shifted(by), self.delay.shifted(by) if self.delay else None, self.test.shifted(by)
-        )
 
-
-def prequential_splits(last: Split, folds: int) -> list[Split]:
-    """`folds` splits, fold k shifted back by k test lengths; the most recent first."""
+def prequential_test_periods(last: Period, folds: int, data_days: Period) -> list[Period]:
+    """The test periods of `folds` prequential folds, the most recent (`last`) first, fold k shifted back by
+    k test lengths; all of them inside `data_days`, the days of the dataset."""
     if folds < 1:
         raise ValueError(f"folds must be >= 1, got {folds}")
-    step = last.test.end - last.test.start
-    return [last.shifted(-k * step) for k in range(folds)]
+    periods = [last.shifted(-k * (last.end - last.start)) for k in range(folds)]
+    if periods[-1].start < data_days.start or last.end > data_days.end:
+        raise ValueError(
+            f"{folds} fold(s) of {last.days} test days ending {last.end.date()} need data from "
+            f"{periods[-1].start.date()} to {last.end.date()}; the dataset spans {data_days}. "
+            "Use fewer --folds, a shorter or later test period."
+        )
+    return periods
 
 
 def known_target(cutoff: datetime) -> pl.Expr:

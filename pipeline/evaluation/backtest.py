@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import numpy as np
 import polars as pl
+from tqdm.auto import tqdm
 
 from consumers.scoring.scorer import Scorer
 from pipeline.data.dataset import read_dataset
-from pipeline.data.splits import DAY, Period, dataset_days
+from pipeline.data.splits import DAY, Period, dataset_days, prequential_test_periods
 from pipeline.evaluation.protocol import (
     BUDGETS,
     DetectionMetrics,
@@ -37,7 +39,7 @@ from pipeline.evaluation.protocol import (
     scenario_metrics,
 )
 from pipeline.evaluation.report_plots import bar_plot, line_plot
-from pipeline.registry.tracking import load_model
+from pipeline.registry.tracking import configure_tracking, load_model
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +135,6 @@ class BacktestResult:
         }
 
 
-def fold_periods(last: Period, folds: int, data_days: Period) -> list[Period]:
-    """Test periods, the most recent first, each shifted back by one test length."""
-    periods = [last.shifted(-f * (last.end - last.start)) for f in range(folds)]
-    if periods[-1].start < data_days.start or last.end > data_days.end:
-        raise ValueError(
-            f"{folds} fold(s) of {last.days} test days ending {last.end.date()} need data from "
-            f"{periods[-1].start.date()} to {last.end.date()}; the dataset spans {data_days}. "
-            "Use fewer --folds, a shorter or later test period."
-        )
-    return periods
-
-
 def alerts_per_day(scored: pl.DataFrame, test: Period) -> pl.DataFrame:
     """Per test day at the scorer's threshold: events, alerting events and accounts, share of alerts that
     are fraud (null on a day without alerts)."""
@@ -176,8 +166,6 @@ def alerts_per_day(scored: pl.DataFrame, test: Period) -> pl.DataFrame:
 def _replay(scorer: Scorer, frame: pl.DataFrame, batch_events: int, progress_bar: bool) -> pl.DataFrame:
     if not progress_bar:
         return scorer.replay(frame, batch_events)
-    from tqdm.auto import tqdm
-
     with tqdm(total=frame.height, unit="ev", desc="replay", mininterval=1.0) as bar:
 
         def progress(done: int, total: int) -> None:
@@ -211,7 +199,7 @@ def backtest(cfg: BacktestConfig) -> BacktestResult:
         raise ValueError(f"dataset {cfg.data} has no is_fraud labels: a backtest needs known outcomes")
     span = dataset_days(frame)
     last = cfg.test_period or Period(span.end - DEFAULT_TEST_DAYS * DAY, span.end)
-    periods = fold_periods(last, cfg.folds, span)
+    periods = prequential_test_periods(last, cfg.folds, span)
     _warn_on_training_overlap(model.meta, periods)
 
     scorer = Scorer(model)
@@ -311,10 +299,6 @@ def write_report(result: BacktestResult, out: Path) -> list[Path]:
 
 def _log_to_mlflow(result: BacktestResult, training_run_id: str | None, detector: str) -> str:
     """Log against the model's training run when this tracking store has it, else a new "backtest" run."""
-    import mlflow
-
-    from pipeline.registry.tracking import configure_tracking
-
     configure_tracking()
     client = mlflow.MlflowClient()
     run_id = None
@@ -356,6 +340,5 @@ __all__ = [
     "alerts_per_day",
     "backtest",
     "budget_curve",
-    "fold_periods",
     "write_report",
 ]

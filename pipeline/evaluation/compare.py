@@ -21,7 +21,8 @@ import polars as pl
 from mlflow.tracking import MlflowClient
 from sklearn.metrics import precision_recall_curve
 
-from pipeline.data.splits import Period
+from pipeline.data.dataset import read_dataset
+from pipeline.data.splits import Period, dataset_days
 from pipeline.evaluation.plots import SCORES_ARTIFACT
 from pipeline.evaluation.protocol import budget_curve, card_precision_at_k
 from pipeline.evaluation.report_plots import line_plot, scatter_plot
@@ -170,8 +171,6 @@ def write_plots(table: pl.DataFrame, client: MlflowClient, out: Path, data: Path
     out.mkdir(parents=True, exist_ok=True)
     labels = None
     if data is not None:
-        from pipeline.data.dataset import read_dataset
-
         labels = read_dataset(data).select("account_id", "ts", "is_fraud", "label_ts")
     pr, cp, budget = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,8 +241,6 @@ def _test_period(logged: str | None, scores: pl.DataFrame) -> Period:
     if logged:
         return Period.parse(logged)
     # An older run without the param: the whole days its test scores span.
-    from pipeline.data.splits import dataset_days
-
     return dataset_days(scores)
 
 

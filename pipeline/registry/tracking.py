@@ -4,6 +4,7 @@ Default tracking store: SQLite `mlflow.db` in the working directory (browse it w
 `mlflow ui --backend-store-uri sqlite:///mlflow.db`); MLFLOW_TRACKING_URI points anywhere else.
 """
 
+import importlib.metadata
 import os
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,6 @@ class _ScoringModel(mlflow.pyfunc.PythonModel):
 def pinned_requirements(*packages: str) -> list[str]:
     """This environment's versions of `packages`, so MLflow need not infer them (inference imports the
     model in a subprocess and costs tens of seconds per run)."""
-    import importlib.metadata
-
     return [f"{name}=={importlib.metadata.version(name)}" for name in packages]
 
 

@@ -15,6 +15,8 @@ import yaml
 from pipeline.data.splits import DAY, Period, Split
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer")
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "configs" / "train"
+QUICK_PROFILE = PROFILES_DIR / "quick.yaml"  # a quick CPU run: the demo's and the notebooks' training
 
 
 @dataclass(frozen=True)

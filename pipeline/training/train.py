@@ -28,6 +28,7 @@ from pipeline.evaluation.protocol import detection_metrics, scenario_metrics
 from pipeline.features import compute_features, fit_feature_spec
 from pipeline.registry.artifact import save_model_dir
 from pipeline.registry.tracking import configure_tracking, log_and_register, log_params
+from pipeline.training.baselines import BASELINES, train_baseline
 from pipeline.training.config import TrainConfig, TrainResult, flatten, resolve_split
 from pipeline.training.datamodule import HistoryDataModule, Window
 from pipeline.training.diagnostics import (
@@ -84,8 +85,6 @@ def _trainer(cfg: TrainConfig, logger: MLFlowLogger, checkpoint_dir: Path) -> pl
 
 def train(cfg: TrainConfig) -> TrainResult:
     if cfg.model not in REGISTRY:
-        from pipeline.training.baselines import BASELINES, train_baseline
-
         if cfg.model in BASELINES:
             return train_baseline(cfg)
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {sorted(REGISTRY) + sorted(BASELINES)}")

@@ -1,15 +1,27 @@
-"""The serve settings: the shipped file, precedence, and errors that name the setting and the file."""
+"""The serve settings: defaults in code, a file of what differs, precedence, and errors that name the setting
+and the file."""
 
+import dataclasses
 import re
 
 import pytest
+import yaml
 
-from consumers.runtime.settings import DEFAULT_CONFIG_FILE, ServeConfig, load_serve_config, parse_settings
+from consumers.runtime.settings import ServeConfig, load_serve_config, parse_settings
 
 
-def test_the_shipped_file_says_what_the_defaults_say():
-    # configs/serve.yaml documents the defaults; a value changed in one place only would make them disagree.
-    assert load_serve_config(DEFAULT_CONFIG_FILE, env={}) == ServeConfig()
+def test_without_a_file_or_with_an_empty_one_the_settings_are_the_defaults(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("# nothing differs from the defaults here\n")
+    assert load_serve_config(None, env={}) == ServeConfig()
+    assert load_serve_config(path, env={}) == ServeConfig()
+
+
+def test_a_file_changes_what_it_names_and_nothing_else(tmp_path):
+    changed = {"topic_prefix": "p-", "terminal_table_flush_s": 2.5, "instance_id": "pod-0", "threshold": 0.8}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(changed))
+    assert load_serve_config(path, env={}) == dataclasses.replace(ServeConfig(), **changed)
 
 
 def test_overrides_win_over_the_file(tmp_path):

@@ -7,7 +7,15 @@ import polars as pl
 import pytest
 
 from pipeline.data.generate import GenerateConfig, generate
-from pipeline.data.splits import DAY, Period, Split, known_target, prequential_splits, ranking_exclusions
+from pipeline.data.splits import (
+    DAY,
+    Period,
+    Split,
+    dataset_days,
+    known_target,
+    prequential_test_periods,
+    ranking_exclusions,
+)
 from pipeline.features import compute_features, fit_feature_spec
 from pipeline.features.definitions import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
@@ -16,6 +24,14 @@ from pipeline.training.sequences import build_sequences
 
 def utc(*args) -> datetime:
     return datetime(*args, tzinfo=UTC)
+
+
+def split_ending_at(end: date, train_days: int, delay_days: int, test_days: int) -> Split:
+    """The split whose test period ends at the start of `end` (UTC), the delay and training before it."""
+    test_end = utc(end.year, end.month, end.day)
+    test = Period(test_end - test_days * DAY, test_end)
+    train_end = test.start - delay_days * DAY
+    return Split.from_periods(Period(train_end - train_days * DAY, train_end), test)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +48,8 @@ def test_period_parse_is_half_open_and_errors_name_the_input():
         Period.parse("2026-03-15:2026-03-01")
 
 
-def test_split_ending_at_lays_train_delay_test_end_to_end():
-    split = Split.ending_at(date(2026, 5, 1), train_days=28, delay_days=7, test_days=7)
+def test_a_split_lays_train_delay_test_end_to_end():
+    split = split_ending_at(date(2026, 5, 1), train_days=28, delay_days=7, test_days=7)
     assert split.test == Period(utc(2026, 4, 24), utc(2026, 5, 1))
     assert split.delay == Period(utc(2026, 4, 17), utc(2026, 4, 24))
     assert split.train == Period(utc(2026, 3, 20), utc(2026, 4, 17))
@@ -43,10 +59,12 @@ def test_split_ending_at_lays_train_delay_test_end_to_end():
 
 
 def test_prequential_folds_shift_back_by_the_test_length():
-    last = Split.ending_at(date(2026, 5, 1), train_days=28, delay_days=7, test_days=7)
-    folds = prequential_splits(last, 4)
-    assert [f.test.start for f in folds] == [utc(2026, 4, 24) - k * 7 * DAY for k in range(4)]
-    assert all(f.train.days == 28 and f.delay.days == 7 for f in folds)
+    last = Period.parse("2026-04-24:2026-05-01")
+    folds = prequential_test_periods(last, 4, data_days=Period.parse("2026-01-01:2026-05-01"))
+    assert [f.start for f in folds] == [utc(2026, 4, 24) - k * 7 * DAY for k in range(4)]
+    assert all(f.days == 7 for f in folds)
+    with pytest.raises(ValueError, match="folds must be >= 1"):
+        prequential_test_periods(last, 0, data_days=Period.parse("2026-01-01:2026-05-01"))
 
 
 def test_training_targets_only_hold_labels_known_before_the_cutoff(dataset):
@@ -81,7 +99,8 @@ def test_accounts_with_known_fraud_leave_the_ranking_from_the_next_day_on():
 
 def test_feature_spec_is_fitted_on_the_training_period_only(dataset, tmp_path):
     features = compute_features(dataset)
-    train = Period.of_days(dataset["ts"].min(), 20)
+    first_day = dataset_days(dataset).start
+    train = Period(first_day, first_day + 20 * DAY)
     spec = fit_feature_spec(features, train.start, train.end)
     inside = features.filter(train.contains()).select(FEATURE_NAMES).to_numpy()
     np.testing.assert_allclose(spec.mean, inside.mean(axis=0))

@@ -16,8 +16,8 @@ from models.registry import build_detector
 from pipeline.cli.commands import run_generate
 from pipeline.data.dataset import read_dataset
 from pipeline.data.generate import GenerateConfig
-from pipeline.data.splits import Period, dataset_days
-from pipeline.evaluation.backtest import BacktestConfig, backtest, fold_periods
+from pipeline.data.splits import Period, dataset_days, prequential_test_periods
+from pipeline.evaluation.backtest import BacktestConfig, backtest
 from pipeline.evaluation.protocol import detection_metrics
 from pipeline.features import compute_features, fit_feature_spec
 from pipeline.registry.artifact import save_model_dir
@@ -151,7 +151,8 @@ def test_prequential_folds_share_one_replay_and_report_mean_and_std(workspace, t
             progress_bar=False,
         )
     )
-    assert [f.test for f in result.folds] == fold_periods(last_days(frame, 4), 3, dataset_days(frame))
+    folds = prequential_test_periods(last_days(frame, 4), 3, dataset_days(frame))
+    assert [f.test for f in result.folds] == folds
     assert result.folds[1].test.end == result.folds[0].test.start
     aps = [f.metrics.ap for f in result.folds]
     assert result.summary["ap"] == pytest.approx((np.mean(aps), np.std(aps)))
@@ -171,6 +172,6 @@ def test_prequential_folds_share_one_replay_and_report_mean_and_std(workspace, t
 def test_too_many_folds_say_what_data_they_need(workspace):
     _, frame, *_ = workspace
     with pytest.raises(ValueError, match="Use fewer --folds"):
-        fold_periods(last_days(frame, 14), 3, dataset_days(frame))
+        prequential_test_periods(last_days(frame, 14), 3, dataset_days(frame))
     with pytest.raises(ValueError, match="folds = 0"):
         BacktestConfig(data=".", model_uri="x", folds=0)

@@ -1,0 +1,40 @@
+"""Train settings: defaults in code, profiles of what differs, and errors that name the file and the key."""
+
+import pytest
+import yaml
+
+from models.registry import REGISTRY, config_class
+from pipeline.training.config import PROFILES_DIR, QUICK_PROFILE, TrainConfig, load_train_config
+
+PROFILES = sorted(PROFILES_DIR.glob("*.yaml"))
+
+
+def test_the_profile_the_demo_and_notebooks_train_with_is_shipped():
+    assert QUICK_PROFILE in PROFILES
+
+
+def test_without_a_file_the_settings_are_the_defaults(tmp_path):
+    assert load_train_config(tmp_path) == TrainConfig(data=tmp_path)
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda path: path.name)
+def test_a_shipped_profile_holds_only_what_differs_and_each_value_reaches_the_config(profile, tmp_path):
+    written = yaml.safe_load(profile.read_text())
+    cfg, defaults = load_train_config(tmp_path, profile), TrainConfig(data=tmp_path)
+    detector_settings = written.pop("model_config", {})
+    for key, value in written.items():
+        assert getattr(cfg, key) == value, key
+        assert getattr(defaults, key) != value, f"{profile.name}: {key} = {value!r} is the default already"
+    assert cfg.model_config == detector_settings
+    for name in REGISTRY:  # every detector builds from the profile, and it changes each one's default
+        default = config_class(name)()
+        for key, value in detector_settings.items():
+            assert getattr(default, key) != value, f"{profile.name}: model_config.{key} is {name}'s default"
+        config_class(name)(**detector_settings)
+
+
+def test_an_unknown_key_in_a_file_is_named_with_the_file(tmp_path):
+    path = tmp_path / "profile.yaml"
+    path.write_text("max_epochs: 3\nmax_epoch: 4\n")  # one letter short
+    with pytest.raises(ValueError, match=r"unknown train setting\(s\) \['max_epoch'\] in .*profile\.yaml"):
+        load_train_config(tmp_path, path)
