@@ -21,7 +21,7 @@ import polars as pl
 
 from pipeline.data.dataset import read_dataset, write_dataset
 from pipeline.data.generate import FRAUD_SCENARIOS, generate
-from pipeline.data.splits import DAY, Period, dataset_days
+from pipeline.data.splits import DAY, Period, dataset_days, prequential_test_periods
 from pipeline.data.world import GenerateConfig
 from pipeline.training.baselines import BASELINES
 from pipeline.training.config import SEQUENCE_MODELS, load_train_config
@@ -81,8 +81,7 @@ class Run:
 
 def prequential_weeks(data_days: Period, folds: int) -> list[Period]:
     """The last full week of the data, then each earlier week: the prequential folds, most recent first."""
-    last = Period(data_days.end - TEST_DAYS * DAY, data_days.end)
-    return [last.shifted(-k * TEST_DAYS * DAY) for k in range(folds)]
+    return prequential_test_periods(Period(data_days.end - TEST_DAYS * DAY, data_days.end), folds, data_days)
 
 
 def run_quality(cfg: QualityConfig) -> tuple[pl.DataFrame, list[Run]]:
