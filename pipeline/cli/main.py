@@ -10,6 +10,7 @@ torch, polars, Lightning, MLflow or Kafka are imported at the top.
 import argparse
 import logging
 import sys
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -143,7 +144,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.bench != "stream":  # the stream bench pins its service and raw loop, and keeps itself off them
+    # The stream bench pins its service and raw loop and keeps itself off them; the quality bench trains as a
+    # user would, on every core.
+    if args.bench not in ("stream", "quality"):
         pin_to_one_core()
     if args.bench == "features":
         from pipeline.bench.features import run_feature_bench
@@ -164,6 +167,24 @@ def _bench(args: argparse.Namespace) -> int:
         run_replay_bench(
             args.events, args.models or ["lstm", "linear_transformer"], args.batch_events, args.seed
         )
+    elif args.bench == "quality":
+        from pipeline.bench.quality import QUICK_DATA, QualityConfig, print_table, run_quality
+        from pipeline.data.generate import GenerateConfig
+
+        sizes = {k: v for k, v in (("accounts", args.accounts), ("days", args.days)) if v is not None}
+        values = {
+            "data": args.data,
+            "generate": replace(QUICK_DATA if args.quick else GenerateConfig(), seed=args.seed, **sizes),
+            "folds": args.folds,
+            "train_config": args.config,
+            "out": args.out,
+        }
+        values.update({k: v for k, v in (("models", args.models), ("seeds", args.seeds)) if v})
+        if args.set:
+            values["overrides"] = tuple(args.set)
+        cfg = QualityConfig.quick(**values) if args.quick else QualityConfig(**values)
+        table, _ = run_quality(cfg)
+        print_table(table, cfg)
     else:
         from pipeline.bench.models import run_model_bench
 
@@ -329,6 +350,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--events", type=int, default=1_000_000)
     b.add_argument("--batch-events", type=int, default=500)
     b.add_argument("--seed", type=int, default=3)
+    b.set_defaults(run=_bench)
+    b = bench.add_parser("quality", help="every detector and baseline on one dataset, published protocol")
+    b.add_argument("--data", type=Path, default=None, help="dataset directory (default: generate one)")
+    b.add_argument("--accounts", type=int, default=None, help="accounts to generate (default 5000)")
+    b.add_argument("--days", type=int, default=None, help="days to generate (default 180)")
+    b.add_argument("--seed", type=int, default=0, help="the generated dataset's seed (default 0)")
+    b.add_argument(
+        "--models", nargs="+", default=None, help="models to train (default: 3 detectors, 3 baselines)"
+    )
+    b.add_argument("--seeds", type=int, default=None, help="training seeds per detector (default 3)")
+    b.add_argument("--folds", type=int, default=1, help="prequential test weeks (default 1)")
+    b.add_argument("--config", type=Path, default=None, help="a training profile YAML for every model")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a training setting")
+    b.add_argument("--quick", action="store_true", help="a CI-sized run: small data and detectors, 1 seed")
+    b.add_argument("--out", type=Path, default=Path("runs/bench-quality"), help="dataset, runs, quality.json")
     b.set_defaults(run=_bench)
     b = bench.add_parser("models", help="detector training/serving cost, state size, step time vs history")
     b.add_argument("models", nargs="*", help="detectors to bench (default: all)")
