@@ -299,11 +299,6 @@ class Scorer:
     def accounts_in_memory(self) -> KeysView[str]:
         return self.store.accounts()
 
-    @property
-    def changed_accounts(self) -> frozenset[str]:
-        """Accounts with events applied since the last take_changed()."""
-        return frozenset(self._changed)
-
     def take_changed(self) -> set[str]:
         """The changed accounts, forgetting them: call when their state records have been produced."""
         changed, self._changed = self._changed, set()
