@@ -11,6 +11,7 @@ Every test that uses one of these fixtures gets the ``kafka`` marker, so ``pytes
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -20,10 +21,10 @@ import pytest
 from kafka import KafkaAdminClient
 
 from pipeline.bench.broker import (
+    KAFKA_SCRIPT,
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
     kafka_port,
-    managed_broker_running,
     port_open,
     run_kafka_script,
 )
@@ -46,6 +47,11 @@ class KafkaBroker:
             )
         run_kafka_script("stop", STOP_TIMEOUT_S)
         run_kafka_script("start", START_TIMEOUT_S)
+
+
+def managed_broker_running() -> bool:
+    """Whether scripts/kafka.sh runs a broker (not merely: something listens on the port)."""
+    return subprocess.run([str(KAFKA_SCRIPT), "status"], capture_output=True, check=False).returncode == 0
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ deltas: as many partitions as `transactions`, time retention (consumers/terminal
 """
 
 import logging
+import time
 
 from kafka import KafkaAdminClient
 from kafka.errors import TopicAlreadyExistsError
@@ -13,6 +14,7 @@ from kafka.errors import TopicAlreadyExistsError
 from consumers.runtime.settings import ServeConfig
 
 TABLE_PARTITIONS = 1  # small and read whole by every instance: one partition keeps it simple and ordered
+PARTITIONS_WAIT_S = 30.0  # for the partitions of a topic that another instance is creating at this moment
 
 log = logging.getLogger(__name__)
 
@@ -87,5 +89,12 @@ def _create(admin: KafkaAdminClient, name: str, partitions: int, replication: in
 
 
 def _partition_count(admin: KafkaAdminClient, topic: str) -> int:
-    (described,) = admin.describe_topics([topic])
-    return len(described["partitions"])
+    # Instances starting together: the broker lists a topic that another one is creating before its
+    # partitions have leaders (that instance's create_topics waits for them, this one's got
+    # TopicAlreadyExistsError at once), and it would read as a topic of 0 partitions.
+    deadline = time.monotonic() + PARTITIONS_WAIT_S
+    while True:
+        (described,) = admin.describe_topics([topic])
+        if described["partitions"] or time.monotonic() > deadline:
+            return len(described["partitions"])
+        time.sleep(0.1)

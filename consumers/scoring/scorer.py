@@ -12,7 +12,8 @@ Per micro-batch (one Kafka poll, or one slice of a replayed history), in arrival
   5. bookkeeping: each account's last applied position and newest ts, the set of changed accounts.
 
 State lives in two places per account — the featurizer's account record and a row of the batched detector
-store — and leaves as one byte record (account_state.py) for the changelog. The featurizer's terminal
+store — and leaves as one byte record (account_state.py) for the changelog (held_accounts.py: records out
+and in, eviction). The featurizer's terminal
 table is NOT per account: every event reads the risk of its terminal, whoever's account it is. It lives in
 `scorer.featurizer.terminals`; the service persists and restores it as the global terminal-risk table
 (consumers/terminals/table.py), and nothing here saves or restores it with the accounts.
@@ -22,7 +23,7 @@ half-applied: treat it as a crash and restore those accounts from the changelog.
 """
 
 import time
-from collections.abc import Callable, KeysView, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,10 +31,10 @@ import numpy as np
 import polars as pl
 import torch
 
-from consumers.scoring.account_state import decode_account_record, encode_account_records, model_fingerprint
+from consumers.scoring.account_state import model_fingerprint
+from consumers.scoring.held_accounts import HeldAccounts
 from consumers.scoring.messages import Transaction
 from consumers.scoring.state_store import StateStore, rounds_of
-from models.state_codec import decode_account_state, encode_state_rows
 from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, replay_batches
 from pipeline.registry.artifact import LoadedModel
 
@@ -75,7 +76,7 @@ class _Scored(NamedTuple):
     out_of_order: np.ndarray  # bool
 
 
-class Scorer:
+class Scorer(HeldAccounts):
     """Scores micro-batches of transactions from per-account recurrent states, one event at a time each.
 
     The detector is put in eval mode. `threshold` (a probability) defaults to the model's meta["threshold"],
@@ -293,110 +294,6 @@ class Scorer:
             pl.Series("alert", score >= self.threshold),
             *([ordered["is_fraud"]] if "is_fraud" in ordered.columns else []),
         )
-
-    # -- per-account state -------------------------------------------------------------------------------
-    @property
-    def accounts_in_memory(self) -> KeysView[str]:
-        return self.store.accounts()
-
-    @property
-    def changed_accounts(self) -> frozenset[str]:
-        """Accounts with events applied since the last take_changed()."""
-        return frozenset(self._changed)
-
-    def take_changed(self) -> set[str]:
-        """The changed accounts, forgetting them: call when their state records have been produced."""
-        changed, self._changed = self._changed, set()
-        return changed
-
-    def accounts_in_partition(self, partition: int) -> list[str]:
-        """Accounts in memory whose last applied event came from `partition` (to evict on revocation)."""
-        held = self.store.partition
-        return [account for account, row in self.store.slot_of.items() if held[row] == partition]
-
-    def account_state_bytes(self, account_id: str) -> bytes:
-        """The account's whole serving state as one versioned record (account_state.AccountRecord)."""
-        return self.account_states_bytes([account_id])[0]
-
-    @torch.inference_mode()
-    def account_states_bytes(self, account_ids: Sequence[str]) -> list[bytes]:
-        """account_state_bytes of each account, with one gather and one encode for all of them.
-
-        The service writes a record per changed account per poll: one at a time, the gather and the
-        encode cost ~0.5 ms an account, more than scoring its event.
-        """
-        if not account_ids:
-            return []
-        rows = np.array([self._row(a) for a in account_ids], dtype=np.int64)
-        table = self.featurizer.accounts
-        missing = [a for a in account_ids if a not in table]
-        if missing:  # in the store but never featurized: no events applied yet
-            table.slots(missing)
-        features = table.records[[table.slot_of[a] for a in account_ids]]  # [N] structured records
-        store = self.store
-        return encode_account_records(
-            features,
-            encode_state_rows(self.detector, store.gather(rows)),  # [N, bytes]
-            self.model_fingerprint,
-            store.partition[rows],
-            store.offset[rows],
-            store.last_ts_us[rows],
-        )
-
-    @torch.inference_mode()
-    def restore_account(self, account_id: str, data: bytes) -> None:
-        """Load an account's state record (from account_state_bytes), replacing what memory holds for it.
-
-        Raises ValueError, changing nothing, when the record was written by another model, detector,
-        config or txsentinel version; the message says which and what to do.
-        """
-        record = decode_account_record(data, account_id)
-        try:
-            state = decode_account_state(self.detector, record.detector)  # [1, ...]
-        except ValueError as error:
-            reason = str(error).removeprefix("state record 0: ")  # decode_state numbers its records
-            raise ValueError(f"account state record of {account_id!r}: {reason}") from None
-        if record.model != self.model_fingerprint:
-            raise ValueError(
-                f"account state record of {account_id!r} was written by another {self.detector.name!r} model "
-                f"with the same config (model fingerprint {record.model.hex()}, this one is "
-                f"{self.model_fingerprint.hex()}): other weights, e.g. a retrained model; its recurrent state "
-                "means nothing to these weights. Serve the model that wrote it, or rebuild the account's "
-                "state by replaying its history through this model"
-            )
-        row = self.store.rows([account_id])[0]
-        self.store.scatter(np.array([row]), state)
-        self.store.partition[row] = record.partition
-        self.store.offset[row] = record.offset
-        self.store.last_ts_us[row] = record.last_ts_us
-        self.featurizer.accounts.put_bytes(account_id, record.features)
-        self._changed.discard(account_id)  # memory now equals the record
-
-    def evict(self, account_id: str, discard_changes: bool = False) -> None:
-        """Forget an account (its record can restore it later).
-
-        Refuses an account with changes not yet taken (take_changed) unless discard_changes: its state
-        record would otherwise never reach the changelog.
-        """
-        self._row(account_id)
-        if account_id in self._changed and not discard_changes:
-            raise ValueError(
-                f"account {account_id!r} has applied events whose state was not taken yet: produce its "
-                "record (take_changed, account_state_bytes) before evicting, or pass discard_changes=True "
-                "when those events will be redelivered (e.g. an aborted transaction)"
-            )
-        self.store.evict(account_id)
-        if account_id in self.featurizer.accounts:
-            self.featurizer.accounts.evict(account_id)
-        self._changed.discard(account_id)
-
-    def _row(self, account_id: str) -> int:
-        row = self.store.slot_of.get(account_id)
-        if row is None:
-            raise KeyError(
-                f"account {account_id!r} is not in memory: score one of its events or restore_account it first"
-            )
-        return row
 
 
 def _sigmoid(logit: np.ndarray) -> np.ndarray:

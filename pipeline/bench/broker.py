@@ -46,11 +46,6 @@ def run_kafka_script(command: str, timeout_s: float = START_TIMEOUT_S) -> subpro
     return result
 
 
-def managed_broker_running() -> bool:
-    """Whether scripts/kafka.sh runs a broker (not merely: something listens on the port)."""
-    return subprocess.run([str(KAFKA_SCRIPT), "status"], capture_output=True, check=False).returncode == 0
-
-
 @contextmanager
 def project_broker() -> Iterator[str]:
     """A broker for the duration of the block: whatever serves on the port is reused and left running;

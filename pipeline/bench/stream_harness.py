@@ -65,7 +65,7 @@ def service_child(
             handler.setLevel(logging.WARNING)  # the DEBUG lines go to the file only
         to_file = logging.FileHandler(phase_log, mode="w")
         to_file.setFormatter(logging.Formatter("%(created).3f %(levelname)s %(name)s %(message)s"))
-        service_log = logging.getLogger("consumers.service.loop")
+        service_log = logging.getLogger("consumers.service")  # the loop and its parts beside it
         service_log.setLevel(logging.DEBUG)
         service_log.addHandler(to_file)
     from consumers.service.loop import serve  # polars and torch, once pinned (module docstring)

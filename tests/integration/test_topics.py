@@ -1,6 +1,8 @@
 """The service's topics on the real broker: created with the settings the design needs, kept when present,
 refused when their partition counts break it."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType
@@ -45,3 +47,14 @@ def test_a_changelog_that_does_not_match_the_input_partitions_is_refused(kafka_b
         create_topic(kafka_bootstrap, cfg.topic("changelog"), partitions=3)
         with pytest.raises(ValueError, match=r"has 3 partitions, .* has 2: they must match"):
             ensure_topics(cfg, kafka_bootstrap)
+
+
+def test_instances_starting_together_all_find_the_topics_one_of_them_created(kafka_bootstrap):
+    # The broker lists a topic another instance is creating before its partitions have leaders: the
+    # instance that lost the race must wait for them, not refuse a topic of "0 partitions".
+    for _ in range(3):  # a race: a few rounds of fresh topics
+        with prefixed_configs(kafka_bootstrap, "topics", transactions_partitions=4) as make:
+            cfg = make()
+            with ThreadPoolExecutor(max_workers=3) as pool:
+                starts = [pool.submit(ensure_topics, cfg, kafka_bootstrap) for _ in range(3)]
+                assert [start.result() for start in starts] == [4, 4, 4]

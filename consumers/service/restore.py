@@ -1,0 +1,226 @@
+"""Partitions coming and going, and the states this instance holds for them, read back from Kafka.
+
+The changelog has as many partitions as `transactions`, and each account's record goes to the partition
+number of the input event it came from: on assignment of input partition p, this instance reads changelog
+partition p from its beginning up to its end (read_committed; consumers/runtime/compacted.py keeps to
+restore_timeout_s and logs its progress) and holds every account of p, up to max_states_in_memory (the rest
+stay dormant in the changelog, consumers/service/dormant.py). On revocation the accounts of those partitions
+are evicted. After an aborted batch, its accounts are reloaded from the changelog and the consumer is sought
+back to the committed offsets (rewind).
+
+Terminal risk (consumers/terminals/table.py has the whole flow): on start, before joining the group, the
+instance reads the terminal table, then the labels and every instance's terminal deltas after the table's
+positions. Then, every terminal_feed_interval_ms (before a batch, or while idle), it folds in the labels
+and the other instances' deltas that have arrived; after scoring, each batch's own terminal event counts go
+out as one delta record in its transaction. Whichever instance owns transactions partition 0 also runs the table
+writer (consumers/terminals/writer.py).
+"""
+
+import logging
+import time
+from collections.abc import Iterable
+
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.structs import TopicPartition
+
+from consumers.runtime.compacted import read_recent
+from consumers.service.commit_pipeline import Committed
+from consumers.service.producer import KEYS
+
+log = logging.getLogger(__name__)
+
+
+class _Listener(ConsumerRebalanceListener):
+    # kafka-python calls these from inside poll(), between batches. The previous batch's commit may still be
+    # running then: on_revoked settles it first, so no transaction stays open across a rebalance.
+    def __init__(self, service: "Restore"):
+        self.service = service
+
+    def on_partitions_revoked(self, revoked):
+        self.service.on_revoked(revoked)
+
+    def on_partitions_assigned(self, assigned):
+        self.service.on_assigned(assigned)
+
+    def on_partitions_lost(self, lost):
+        self.service.on_revoked(lost)
+
+
+class Restore:
+    """The rebalance and restore part of the service (loop._Service, whose __init__ and start() build the
+    attributes used here)."""
+
+    # -- rebalance ---------------------------------------------------------------------------------------
+    def on_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        self.rebalance_callbacks += 1
+        partitions = sorted(tp.partition for tp in revoked if tp.topic == self.topic)
+        self._settle_before_revoking(partitions)
+        self._run_writer(partitions, assigned=False)
+        evicted = 0
+        for p in partitions:
+            leaving = self.scorer.accounts_in_partition(p)
+            for account in leaving:
+                # No batch is open between polls, so nothing unsaved is lost; discard_changes only guards
+                # against an account whose events would be redelivered anyway (uncommitted offsets).
+                self.scorer.evict(account, discard_changes=True)
+            self.dormant.forget(leaving)
+            evicted += len(leaving)
+        self.assigned -= set(partitions)
+        self.dormant.drop_partitions(partitions)
+        self.stats.rebalances += 1
+        self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
+        self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
+        log.info("partitions revoked partitions=%s evicted_states=%d", partitions, evicted)
+
+    def _settle_before_revoking(self, partitions: list[int]) -> None:
+        """The batch in flight commits under the generation that is ending, or is aborted and rewound."""
+        try:
+            self._settle()
+        except Exception as error:  # kafka-python logs and swallows callback errors: handled here
+            failed = self.pipeline.take_failed()
+            self._end_failed_transaction(error)
+            log.warning("batch aborted at revocation error=%r; it is redelivered", error)
+            self._rewind(failed.polled, revoked=partitions)
+
+    def on_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        self.rebalance_callbacks += 1
+        partitions = sorted(tp.partition for tp in assigned if tp.topic == self.topic)
+        log.info("partitions assigned partitions=%s", partitions)
+        try:
+            self._restore(partitions)
+        except BaseException as error:  # kafka-python logs and swallows callback errors: hand it to run()
+            self.fatal = error
+            return
+        self.assigned |= set(partitions)
+        self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
+        self._run_writer(partitions, assigned=True)
+
+    def _restore(self, partitions: list[int]) -> None:
+        """Read changelog partitions from the beginning up to their high watermarks (read_committed) into the
+        scorer, up to its capacity; the other accounts' places are noted (consumers/service/dormant.py)."""
+        if not partitions:
+            return
+        started = time.monotonic()
+        # Memory takes the accounts written most recently, up to its capacity; the others stay dormant in
+        # the changelog, their places noted, until they return (consumers/service/dormant.py).
+        room = max(self.dormant.capacity - len(self.scorer.accounts_in_memory), 0)
+        latest, where, read = read_recent(
+            self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s, keep=room
+        )
+        for account, value in latest.items():
+            self.scorer.restore_account(account, value)  # refuses another model's state, saying what to do
+        restored = len(latest)
+        self.dormant.drop_partitions(partitions)
+        self.dormant.restored(where, latest, self.batches.seq if self.batches else 0)
+        seconds = time.monotonic() - started
+        self.stats.restored_states += restored
+        self.stats.restore_s += seconds
+        self.metrics.inc("txsentinel_restore_seconds_total", seconds)
+        self.metrics.inc("txsentinel_restored_states_total", restored)
+        self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
+        log.info(
+            "restore done partitions=%s records=%d states=%d dormant=%d seconds=%.3f",
+            partitions, read, restored, len(where) - restored, seconds,
+        )  # fmt: skip
+
+    def _rewind(self, batch: dict, revoked: Iterable[int] = ()) -> None:
+        """Undo uncommitted batches in memory (their transaction is aborted already).
+
+        Their accounts may be half-applied, so they are reloaded from the changelog, terminal state is
+        restored again (the table, then the labels and deltas after it), and the consumer goes back to the
+        group's committed offsets. Partitions in `revoked`
+        are leaving this instance: their accounts are dropped, not reloaded.
+        """
+        partitions = sorted({tp.partition for tp in batch})
+        accounts = {a for p in partitions for a in self.scorer.accounts_in_partition(p)}
+        accounts |= {KEYS.deserialize(None, None, r.key) for rs in batch.values() for r in rs if r.key}
+        for account in accounts & set(self.scorer.accounts_in_memory):
+            self.scorer.evict(account, discard_changes=True)
+        self.scorer.take_changed()
+        leaving = set(revoked)
+        kept = [p for p in partitions if p not in leaving]
+        self._restore(kept)
+        self._restore_terminals()  # drops the batches' own terminal counts; labels and deltas are read again
+        for tp in batch:
+            if tp.partition not in kept:
+                continue
+            committed = self.consumer.committed(tp)
+            if committed is None:
+                self.consumer.seek_to_beginning(tp)  # auto_offset_reset=earliest: nothing committed yet
+            else:
+                self.consumer.seek(tp, committed)
+
+    def _rejoin(self) -> None:
+        """Drop this member's partitions and subscribe afresh: the next poll joins the group anew.
+
+        Waiting does not do it: until a heartbeat learns that the member is unknown, every poll hands out
+        records whose offsets cannot commit (kafka-python has no call that forces a rejoin).
+        """
+        self.on_revoked([TopicPartition(self.topic, p) for p in sorted(self.assigned)])
+        self.consumer.unsubscribe()
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        self.consumer.subscribe([self.topic], listener=_Listener(self))
+        # kafka-python 3.0.12: without the topic's metadata before the first poll, the member can end up
+        # in a stable group with no partitions (lost rejoin); see tests/integration/test_kafka_broker.py.
+        self.consumer.partitions_for_topic(self.topic)
+
+    def _let_dormant_go(self, committed: Committed) -> None:
+        """Note where the committed batch's state records went; evict what memory holds beyond capacity."""
+        out = committed.batch
+        self.dormant.committed(
+            {
+                key: (partition, future.value.offset)
+                for (topic, key, _, partition), future in zip(out.records, out.sent, strict=True)
+                if topic == self.changelog
+            }
+        )
+        evicted = self.dormant.to_evict(self.scorer.accounts_in_memory, out.seq)
+        for account in evicted:
+            self.scorer.evict(account)  # its latest state is a committed record: it comes back exactly
+        self.stats.states_evicted += len(evicted)
+        self.metrics.inc("txsentinel_states_evicted_total", len(evicted))
+
+    # -- terminal state -----------------------------------------------------------------------------------
+    def _restore_terminals(self) -> None:
+        """Terminal state = the table + every label and delta after its positions (consumers/terminals/table.py);
+        then a new delta session: whatever this instance folds from now on, it also writes."""
+        cfg, featurizer = self.cfg, self.scorer.featurizer
+        started = time.monotonic()
+        self.feed.start_from_table(featurizer, self.restorer, cfg.topic("terminal_table"))
+        self.stats.restored_terminals += len(featurizer.terminals)
+        featurizer.terminal_journal = []  # what the rewound batches folded is gone with the old table
+        got = self.feed.read(to_high_watermark=True)  # every session's deltas: none of them is folded yet
+        got.fold_into(featurizer)
+        self.stats.labels_applied += len(got.labels)
+        self.metrics.inc("txsentinel_labels_applied_total", len(got.labels))
+        self.terminal_restores += 1
+        self.batches.session = f"{self.instance_tag}/{self.terminal_restores}".encode()
+        log.info(
+            "terminal state restored terminals=%d deltas=%d labels=%d session=%s seconds=%.3f",
+            len(featurizer.terminals), len(got.deltas), len(got.labels), self.batches.session.decode(),
+            time.monotonic() - started,
+        )  # fmt: skip
+
+    def _fold_feed_while_idle(self) -> None:
+        """No events: still fold in labels and other instances' deltas, so the next event sees them all."""
+        try:
+            labels, deltas = self.batches.fold_feed()
+        except Exception as error:  # the next batch reads the feed again, and recovers if it fails there
+            log.warning("reading labels and terminal deltas between batches failed error=%r", error)
+            return
+        self.stats.labels_applied += labels
+        self.stats.terminal_deltas_applied += deltas
+        self.metrics.inc("txsentinel_labels_applied_total", labels)
+        self.metrics.inc("txsentinel_terminal_deltas_applied_total", deltas)
+
+    def _run_writer(self, partitions: Iterable[int], assigned: bool) -> None:
+        """The table writer runs where transactions partition 0 is (consumers/terminals/writer.py), unless
+        it runs on its own (terminal_table_writer: external)."""
+        if 0 not in partitions or self.cfg.terminal_table_writer != "embedded":
+            return
+        if assigned and not self.writer.running:
+            self.writer.start()
+        elif not assigned:
+            self.writer.stop()

@@ -1,0 +1,81 @@
+"""What the service counts: ServeStats (returned by serve() and logged when it stops) and the metrics of each
+committed batch (consumers/runtime/metrics.py serves them)."""
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from consumers.service.commit_pipeline import Committed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeStats:
+    batches: int = 0
+    events_scored: int = 0
+    dead_lettered: int = 0
+    alerts: int = 0
+    duplicates_dropped: int = 0
+    aborted_batches: int = 0
+    rebalances: int = 0
+    restored_states: int = 0
+    restore_s: float = 0.0
+    # fraud and not-fraud labels read and applied (only fraud changes state); those after the table's
+    # positions are read again by each restore, and count again
+    labels_applied: int = 0
+    restored_terminals: int = 0  # terminal records read from the table, at start and after aborts
+    terminal_deltas_applied: int = 0  # other instances' batches of terminal counts folded in
+    terminal_table_flushes: int = 0  # transactions of the table writer, while this instance ran it
+    states_evicted: int = 0  # dormant accounts let go of beyond max_states_in_memory
+    states_reloaded: int = 0  # dormant accounts read back from the changelog when they returned
+
+
+class Bookkeeping:
+    """The counting part of the service (loop._Service, whose __init__ and start() build the attributes used
+    here)."""
+
+    def _count(self, committed: Committed) -> None:
+        """Stats and metrics of a committed batch."""
+        out = committed.batch
+        self.stats.batches += 1
+        self.stats.events_scored += out.scored
+        self.stats.alerts += out.alerts
+        self.stats.dead_lettered += out.dead_lettered
+        self.stats.duplicates_dropped += out.duplicates_dropped
+        self.stats.labels_applied += out.labels_applied
+        self.stats.terminal_deltas_applied += out.deltas_applied
+        self.stats.states_reloaded += out.reloaded
+        self._let_dormant_go(committed)
+        m = self.metrics
+        m.inc("txsentinel_batches_total")
+        m.inc("txsentinel_events_scored_total", out.scored)
+        m.inc("txsentinel_alerts_total", out.alerts)
+        m.inc("txsentinel_events_dead_lettered_total", out.dead_lettered)
+        m.inc("txsentinel_duplicates_dropped_total", out.duplicates_dropped)
+        m.inc("txsentinel_labels_applied_total", out.labels_applied)
+        m.inc("txsentinel_terminal_deltas_applied_total", out.deltas_applied)
+        m.inc("txsentinel_states_reloaded_total", out.reloaded)
+        m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
+        m.set("txsentinel_consumer_lag", self._lag())
+        m.observe("txsentinel_batch_events", out.events)
+        m.observe("txsentinel_commit_seconds", committed.seconds)
+        if out.created_ms:
+            waited_ms = committed.at_ms - np.asarray(out.created_ms, np.float64)
+            m.observe("txsentinel_latency_seconds", np.maximum(waited_ms, 0.0) / 1000.0)
+        if log.isEnabledFor(logging.DEBUG):
+            phases = " ".join(f"{k}_s={v:.4f}" for k, v in out.seconds.items())
+            log.debug(
+                "batch events=%d scored=%d %s wait_s=%.4f commit_s=%.4f",
+                out.events, out.scored, phases, out.waited_s, committed.seconds,
+            )  # fmt: skip
+
+    def _lag(self) -> int:
+        """Records of the assigned partitions behind their high watermark (known from the last fetches)."""
+        lag = 0
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            if high is not None:
+                lag += max(high - self.consumer.position(tp), 0)
+        return lag
