@@ -43,7 +43,7 @@ class ServeConfig:
     terminal_deltas_topic: str = "terminal-deltas"
     # The table writer commits the changed terminals this often; a restore then folds at most about this
     # long of deltas on top of the table. Each flush costs ~30 us per changed terminal (a kafka-python send),
-    # so a longer interval is cheaper wherever terminals are busy (README, Benchmarks).
+    # so a longer interval is cheaper wherever terminals are busy (docs/benchmarks.md, "The terminal table writer").
     terminal_table_flush_s: float = 10.0
     # "embedded": the instance that owns transactions partition 0 runs the table writer on a thread;
     # "external": no instance does, run `txsentinel terminal-writer` (one process per deployment) instead.
@@ -60,7 +60,7 @@ class ServeConfig:
     transactions_partitions: int = 3
     replication_factor: int = 1
     group_id: str = "txsentinel-scorer"
-    # A batch is one poll: its processing must stay well inside max_poll_interval_ms (see DESIGN.md).
+    # A batch is one poll: its processing must stay well inside max_poll_interval_ms (docs/architecture.md, "The serving path per poll").
     max_poll_records: int = 500
     poll_timeout_ms: int = 500
     # After a poll, wait up to this long for the fetch it pipelined, so records that arrived during the last

@@ -55,7 +55,7 @@ def serve(
     """Run one member of the scoring consumer group until `stop_event` is set or SIGTERM/SIGINT arrives.
 
     The batch in flight is finished and committed before returning. `model`: a LoadedModel, or a URI for
-    pipeline.registry.artifact.load_model. Signal handlers are only installed when called from the main thread.
+    pipeline.registry.tracking.load_model. Signal handlers are only installed when called from the main thread.
     """
     loaded = load_model(model) if isinstance(model, str) else model
     stop = stop_event or threading.Event()

@@ -3,7 +3,7 @@
 Terminal state is order-free (pipeline/features/stream.py): the state after any set of events and fraud
 labels is the same whatever order, batching or instance they were folded in. Everything here rests on it.
 
-The flow (README, "Terminal risk across instances"):
+The flow (docs/architecture.md, "Terminal risk across instances"):
 - Every scorer instance folds its own events into its terminal state as it scores them and, in the SAME
   transaction as the batch's scores, writes one DELTA record to `terminal-deltas`: the batch's (terminal,
   day) event counts (consumers/terminals/deltas.py). Every terminal_feed_interval_ms it folds in the deltas

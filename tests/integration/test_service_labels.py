@@ -234,7 +234,7 @@ def test_bad_labels_and_delta_records_go_to_dead_letter_and_good_ones_apply(
 def test_an_external_table_writer_keeps_the_table_when_no_instance_runs_one(
     kafka_bootstrap, service_cfg, frame, model_dir, tmp_path
 ):
-    """`txsentinel terminal-writer` as the README shows it, beside a service with terminal_table_writer
+    """`txsentinel terminal-writer` as docs/operations.md shows it, beside a service with terminal_table_writer
     external: no instance flushes, the command does, and it exits 0 on SIGTERM after a last flush."""
     cfg = service_cfg(terminal_table_writer="external", terminal_table_flush_s=0.5)
     events = transactions_from_frame(frame)

@@ -27,7 +27,7 @@ def _detector_tests_on_the_test_device():
     if not torch.cuda.is_available():
         pytest.fail(f"TXSENTINEL_TEST_DEVICE={TEST_DEVICE} but torch sees no CUDA device")
     # The contract's float32 tolerances are IEEE float32's. torch lets cuDNN use TF32 (10-bit mantissa)
-    # by default, which puts the LSTM's cuDNN forward ~3e-4 from its float32 step: see README, On a GPU.
+    # by default, which puts the LSTM's cuDNN forward ~3e-4 from its float32 step: see docs/benchmarks.md, "On a GPU".
     before = torch.get_default_device()
     torch.set_default_device(TEST_DEVICE)
     with tf32(allowed=False):

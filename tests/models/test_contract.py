@@ -1,4 +1,4 @@
-"""The recurrent contract (shared/DESIGN.md), checked over every registered detector with no exemptions."""
+"""The recurrent contract (docs/architecture.md), checked over every registered detector with no exemptions."""
 
 import pytest
 import torch
