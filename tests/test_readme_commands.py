@@ -38,6 +38,7 @@ COVERED_ELSEWHERE = {
     "make test": (".ci/run", "make test"),
     "txsentinel demo": ("tests/test_demo.py", "run_demo"),
     "txsentinel terminal-writer": ("tests/integration/test_service_labels.py", '"terminal-writer"'),
+    "txsentinel bench quality": ("tests/pipeline/bench/test_quality.py", '"bench", "quality"'),
 }
 
 # (pattern, replacement) applied in order to each command before it runs: smaller sizes, filled placeholders.

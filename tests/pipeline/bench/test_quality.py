@@ -6,7 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from pipeline.bench.quality import COLUMNS, QualityConfig, Run, prequential_weeks, quality_table, run_quality
+from pipeline.bench.quality import COLUMNS, QualityConfig, Run, prequential_weeks, quality_table
+from pipeline.cli.main import main
 from pipeline.data.splits import Period
 
 
@@ -17,11 +18,15 @@ def test_test_weeks_are_the_last_full_week_then_each_earlier_one():
 
 
 @pytest.mark.slow
-def test_quick_bench_trains_each_model_per_seed_and_fold_and_tabulates_them(tmp_path, monkeypatch):
+def test_quick_bench_trains_each_model_per_seed_and_fold_and_tabulates_them(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    cfg = QualityConfig.quick(models=("lstm", "logreg"), seeds=2, folds=2, out=tmp_path / "quality")
-    table, runs = run_quality(cfg)
+    out = tmp_path / "quality"
+    argv = ["bench", "quality", "--quick", "--models", "lstm", "logreg", "--seeds", "2", "--folds", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
 
+    saved = json.loads((out / "quality.json").read_text())
+    runs = [Run(**run) for run in saved["runs"]]
     # 2 seeds x 2 folds for the detector, 1 x 2 for the baseline; each fold tests its own week.
     assert sorted((r.model, r.seed, r.fold) for r in runs) == [
         ("logreg", 0, 0), ("logreg", 0, 1),
@@ -31,14 +36,12 @@ def test_quick_bench_trains_each_model_per_seed_and_fold_and_tabulates_them(tmp_
     for run in runs:
         assert 0.0 <= run.metrics["test/ap"] <= 1.0
         assert run.metrics["train/seconds"] > 0
-    assert table["model"].to_list() == ["lstm", "logreg"]
+    table = quality_table(runs, ("lstm", "logreg"))
     assert table["runs"].to_list() == [4, 2]
     assert set(table.columns) == {"model", "runs", *(name for name, _ in COLUMNS)}
-    assert "+-" in table.row(0, named=True)["ap"]  # several runs: mean +- std
-
-    saved = json.loads((tmp_path / "quality" / "quality.json").read_text())
-    assert len(saved["runs"]) == len(runs)
-    assert saved["runs"][0]["metrics"]["test/ap"] == runs[0].metrics["test/ap"]
+    lstm_ap = table.row(0, named=True)["ap"]
+    assert "+-" in lstm_ap  # several runs: mean +- std
+    assert lstm_ap in printed and "published protocol" in printed
 
 
 def test_table_cells_are_means_and_leave_missing_metrics_blank():
