@@ -30,7 +30,8 @@ def linear_attention_naive(
     state: LinearAttentionState | None = None,
     valid: Tensor | None = None,
 ) -> tuple[Tensor, LinearAttentionState]:
-    """Outputs [B, H, T, Dv] and the state after the last valid event of each account."""
+    """The plain sums S and Z, one event at a time: outputs [B, H, T, Dv] and the state after each account's
+    last valid event, the means the other forms must reproduce."""
     state, valid = inputs_with_defaults(phi_k, v, state, valid)
     B, H, T, _ = phi_q.shape
     n = state.n  # [B]

@@ -43,7 +43,8 @@ def linear_attention_recurrent(
     state: LinearAttentionState | None = None,
     valid: Tensor | None = None,
 ) -> tuple[Tensor, LinearAttentionState]:
-    """Outputs [B, H, T, Dv] and the state after the last valid event of each account."""
+    """recurrent_step walked over the T events, padding skipped: outputs [B, H, T, Dv] and the state after
+    each account's last valid event."""
     state, valid = inputs_with_defaults(phi_k, v, state, valid)
     s, z, n = state.s.to(phi_k.dtype), state.z.to(phi_k.dtype), state.n
     out = v.new_empty(*phi_q.shape[:3], v.shape[-1])
