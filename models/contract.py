@@ -29,6 +29,10 @@ class DetectorConfig:
     num_layers: int = 2
     dropout: float = 0.1
     input_clip: float = 10.0  # normalised numeric inputs are clamped to [-input_clip, input_clip]
+    # A learnt embedding of the hashed terminal id. Off by default: it learns which terminals were
+    # compromised in the training period, which says nothing about next week's, and costs 0.2 test AP
+    # (docs/benchmarks.md, "Detection quality"); terminal risk reaches the model through its features.
+    terminal_embedding: bool = False
 
     TINY: ClassVar[dict[str, Any]] = {
         "num_features": 5,

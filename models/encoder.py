@@ -12,11 +12,13 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
 
 
 class EventEncoder(nn.Module):
-    """One event [..., F] -> [..., d_model]: numeric columns projected, terminal bucket embedded, summed, normed.
+    """One event [..., F] -> [..., d_model]: numeric columns projected (plus the terminal bucket's embedding
+    where the config has one), normed.
 
-    The last input column holds the terminal bucket index as a float; the others are normalised features,
-    clamped to [-input_clip, input_clip] first so an extreme value (an amount of 1e9 that normalisation did
-    not tame, an inf) cannot blow up activations or the recurrent state.
+    The last input column holds the terminal bucket index as a float, checked to be in range whether or not
+    it is embedded; the others are normalised features, clamped to [-input_clip, input_clip] first so an
+    extreme value (an amount of 1e9 that normalisation did not tame, an inf) cannot blow up activations or
+    the recurrent state.
     """
 
     def __init__(self, config: DetectorConfig):
@@ -24,21 +26,26 @@ class EventEncoder(nn.Module):
         self.clip = float(config.input_clip)
         self.buckets = config.terminal_buckets
         self.numeric = nn.Linear(config.num_features, config.d_model)
-        self.terminal = nn.Embedding(config.terminal_buckets, config.d_model)
+        self.embeds_terminal = config.terminal_embedding
+        if self.embeds_terminal:
+            self.terminal = nn.Embedding(config.terminal_buckets, config.d_model)
         self.norm = nn.LayerNorm(config.d_model)
 
     def forward(self, x: Tensor) -> Tensor:
-        numeric = x[..., :-1].clamp(-self.clip, self.clip)
+        h = self.numeric(x[..., :-1].clamp(-self.clip, self.clip))
         bucket = x[..., -1].long()
-        if bucket.device.type != "cpu" and self._out_of_range(bucket).any():
-            # On CUDA an out-of-range index is a device-side assert that poisons the whole CUDA context, so
-            # it is checked first (one reduction and a sync); on CPU the lookup itself raises, at no cost.
+        # On CPU an embedding's lookup raises on an out-of-range index at no cost. Elsewhere it is checked
+        # first (one reduction and a sync): on CUDA a bad index is a device-side assert that poisons the whole
+        # CUDA context. Without an embedding the column is checked all the same: it is part of the input.
+        checked_by_lookup = self.embeds_terminal and bucket.device.type == "cpu"
+        if not checked_by_lookup and self._out_of_range(bucket).any():
             raise self._bad_bucket(bucket)
-        try:
-            terminal = self.terminal(bucket)
-        except IndexError:
-            raise self._bad_bucket(bucket) from None
-        return self.norm(self.numeric(numeric) + terminal)
+        if self.embeds_terminal:
+            try:
+                h = h + self.terminal(bucket)
+            except IndexError:
+                raise self._bad_bucket(bucket) from None
+        return self.norm(h)
 
     def _out_of_range(self, bucket: Tensor) -> Tensor:
         return (bucket < 0) | (bucket >= self.buckets)

@@ -88,7 +88,8 @@ class LinearAttentionBlock(nn.Module):
         Returns the new h and the running means after each account's last valid event.
         """
         with torch.autocast(h.device.type, enabled=False):
-            qkv = self._projections(h)  # [B, T, 3, H, D]
+            # Autocast off, so h comes in the weights' dtype: under bf16 autocast the encoder may hand on bf16.
+            qkv = self._projections(h.to(self.qkv.weight.dtype))  # [B, T, 3, H, D]
             phi_q, phi_k, v = (t.transpose(1, 2) for t in self._feature_map(qkv))  # [B, H, T, D]
             carried = LinearAttentionState(s_mean, z_mean, seen)
             att, final = linear_attention_parallel(phi_q, phi_k, v, carried, valid)  # att [B, H, T, D]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from models.contract import DetectorConfig
-from models.parity import random_events
+from models.parity import random_events, step_vs_forward_error
 from models.registry import REGISTRY, build_detector, config_class
 from tests.models.helpers import DETECTORS, make_detector
 
@@ -75,3 +75,22 @@ def test_bad_inputs_are_named(name):
         ValueError, match=r"lengths must be \[B\] = \[2\] integers in \[0, T = 5\], got \[6, 1\]"
     ):
         detector(x, lengths=torch.tensor([6, 1]))
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+def test_the_terminal_bucket_is_embedded_only_when_the_config_asks(name):
+    plain = make_detector(name)
+    embedded = make_detector(name, terminal_embedding=True)
+    assert not any("terminal" in key for key in plain.state_dict())
+    assert any("terminal" in key for key in embedded.state_dict())
+    x = random_events(plain, 3, 7, seed=1)
+    moved = x.clone()
+    moved[..., -1] = (moved[..., -1] + 5) % plain.config.terminal_buckets  # every event at another terminal
+    with torch.inference_mode():
+        assert torch.equal(plain(x)[0], plain(moved)[0])  # without an embedding the bucket changes nothing
+        assert not torch.equal(embedded(x)[0], embedded(moved)[0])
+        assert step_vs_forward_error(embedded, x) < 1e-9  # the embedded path keeps the contract too
+    x[0, 2, -1] = -1  # out of range is refused either way
+    for detector in (plain, embedded):
+        with pytest.raises(ValueError, match=r"terminal bucket index -1 is outside \[0, 16\)"):
+            detector(x)
