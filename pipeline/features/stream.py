@@ -32,6 +32,7 @@ import polars as pl
 
 from pipeline.features.definitions import (
     DAY_US,
+    FEATURE_NAMES,
     SECOND_US,
     WINDOW_DAYS,
     derive_features,
@@ -70,6 +71,16 @@ class TerminalOp:
     kind: str
     terminals: list[str]
     days: np.ndarray
+
+
+@dataclass(frozen=True)
+class FeaturizerCheckpoint:
+    """Some accounts' and terminals' records as they were ({key: bytes, None: not held}), and how long the
+    terminal journal was: what rollback puts back."""
+
+    accounts: dict[str, bytes | None]
+    terminals: dict[str, bytes | None]
+    journal_length: int | None
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,27 @@ class StreamingFeaturizer:
         decode_tables(data, {"accounts": featurizer.accounts, "terminals": featurizer.terminals})
         return featurizer
 
+    def checkpoint(self, accounts: Sequence[str], terminals: Sequence[str]) -> FeaturizerCheckpoint:
+        """What rollback needs to undo any work on these accounts and terminals (a last resort's undo: not
+        for every batch)."""
+        journal = self.terminal_journal
+        return FeaturizerCheckpoint(
+            {key: self.accounts.get_bytes(key) for key in accounts},
+            {key: self.terminals.get_bytes(key) for key in terminals},
+            None if journal is None else len(journal),
+        )
+
+    def rollback(self, checkpoint: FeaturizerCheckpoint) -> None:
+        """Put the checkpoint's records back as they were: those that did not exist are dropped."""
+        for table, records in ((self.accounts, checkpoint.accounts), (self.terminals, checkpoint.terminals)):
+            for key, data in records.items():
+                if data is not None:
+                    table.put_bytes(key, data)
+                elif key in table:
+                    table.evict(key)
+        if checkpoint.journal_length is not None and self.terminal_journal is not None:
+            del self.terminal_journal[checkpoint.journal_length :]
+
     # -- the work ----------------------------------------------------------------------------------------
     def transform(
         self, events: EventBatch, labels: LabelBatch | None = None
@@ -167,20 +199,25 @@ class StreamingFeaturizer:
 
     def transform_finite(
         self, events: EventBatch, labels: LabelBatch | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """transform, leaving out the events whose feature row is not finite: features [M, F], buckets [M]
-        and kept [M] (indices into `events`, in order). A left-out event changes no state, and the events
-        kept are featurized as if it had never come; the labels are applied either way."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, list[str]]]:
+        """transform, leaving out the events whose feature row is not finite: features [M, F], buckets [M],
+        kept [M] (indices into `events`, in order) and {left-out index: its non-finite features}. A left-out
+        event changes no state, and the events kept are featurized as if it had never come; the labels are
+        applied either way."""
         kept = np.arange(len(events.ts_us))
+        left_out: dict[int, list[str]] = {}
         part = events
         while True:
-            raw, hashes, fold = self._read(part, labels)
-            features = feature_matrix(derive_features(raw))
-            finite = np.isfinite(features).all(axis=1)
+            with np.errstate(over="ignore", invalid="ignore"):  # what overflows is left out below
+                raw, hashes, fold = self._read(part, labels)
+                features = feature_matrix(derive_features(raw))
+            finite = np.isfinite(features)
             if finite.all():  # each pass leaves out at least one event: at most N passes, one in practice
                 fold()
-                return features, hashes[:, 0], kept
-            kept = kept[finite]
+                return features, hashes[:, 0], kept, left_out
+            for row in np.flatnonzero(~finite.all(axis=1)).tolist():
+                left_out[int(kept[row])] = [FEATURE_NAMES[f] for f in np.flatnonzero(~finite[row]).tolist()]
+            kept = kept[finite.all(axis=1)]
             part = _take(events, kept)
 
     def raw_aggregates(self, events: EventBatch, labels: LabelBatch | None = None) -> dict[str, np.ndarray]:

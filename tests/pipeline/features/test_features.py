@@ -396,8 +396,11 @@ def test_an_event_whose_features_are_not_finite_is_left_out_and_changes_no_state
     )
     featurizer = StreamingFeaturizer()
     with np.errstate(over="ignore", invalid="ignore"):
-        features, buckets, kept = featurizer.transform_finite(batch)
+        features, buckets, kept, left_out = featurizer.transform_finite(batch)
     assert kept.tolist() == [0, 1, 2, 4, 5] and np.isfinite(features).all() and len(buckets) == 5
+    assert left_out == {
+        3: ["account_log_mean_amount_1d", "account_log_mean_amount_7d", "account_log_mean_amount_30d"]
+    }
     # As if x's second event had never come: the same features and the same state, byte for byte.
     without = StreamingFeaturizer()
     alone = EventBatch(
