@@ -44,6 +44,7 @@ MAX_MESSAGE_BYTES = 64 * 1024
 EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 LATEST = datetime(2100, 1, 1, tzinfo=UTC)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_DAY_US = 86_400_000_000
 _SHOWN_CHARS = 80  # of a bad value, in a reason: enough to find it, never the whole 64 KiB
 
 TRANSACTION_FIELDS = ("event_id", "account_id", "ts", "amount", "terminal_id")
@@ -91,6 +92,15 @@ class MessageLimits:
             raise ValueError(str(error)) from None
         object.__setattr__(self, "earliest_us", earliest)
 
+    @classmethod
+    def of(cls, settings) -> "MessageLimits":
+        """The limits held by an object with the same setting names (ServeConfig)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls) if f.init})
+
+    def days(self, now_us: int) -> tuple[int, int]:
+        """The first and last epoch day a ts or label_ts may fall on, read at `now_us`."""
+        return self.earliest_us // _DAY_US, int(now_us + self.max_ts_skew_s * 1_000_000) // _DAY_US
+
 
 class _Unbounded:
     # The bounds parse_ts applies to the limits' own earliest_ts: only the fixed range 2000..2099.
@@ -120,6 +130,11 @@ class Label:
     terminal_id: str
     is_fraud: bool
     label_ts_us: int
+
+
+def _now_us() -> int:
+    """The clock the future bound is read against: microseconds since the epoch."""
+    return time.time_ns() // 1000
 
 
 def format_ts(ts_us: int) -> str:
@@ -158,7 +173,7 @@ def parse_ts(value: object, field: str, limits=None, now_us: int | None = None) 
             f"accepted {earliest} (setting earliest_ts)"
         )
     if math.isfinite(limits.max_ts_skew_s):
-        now_us = time.time_ns() // 1000 if now_us is None else now_us
+        now_us = _now_us() if now_us is None else now_us
         if ts_us > now_us + limits.max_ts_skew_s * 1_000_000:
             raise MessageError(
                 f"field {field!r}: {_show(value)} is {(ts_us - now_us) / 1e6:.0f} s in the future: more "
