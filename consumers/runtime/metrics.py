@@ -23,6 +23,18 @@ METRICS = {
     "txsentinel_labels_applied_total": ("counter", "Labels read from the labels topic and applied."),
     "txsentinel_batches_total": ("counter", "Polls processed and committed in one transaction each."),
     "txsentinel_duplicates_dropped_total": ("counter", "Redelivered events already applied (not rescored)."),
+    "txsentinel_replays_dropped_total": (
+        "counter",
+        "Events whose event_id their account had applied already, at another offset (dead-lettered).",
+    ),
+    "txsentinel_records_rekeyed_total": (
+        "counter",
+        "Transactions whose key was not their account_id, written again under it (key_mismatch: rekey).",
+    ),
+    "txsentinel_careful_batches_total": (
+        "counter",
+        "Batches read again one event at a time after a failure nobody foresaw (the failing event dead-lettered).",
+    ),
     "txsentinel_aborted_transactions_total": ("counter", "Transactions aborted (batch redelivered)."),
     "txsentinel_states_evicted_total": (
         "counter",
