@@ -113,7 +113,9 @@ class ServeConfig:
     # its account's partition, in order with the account's other events from there on.
     key_mismatch: str = "dead-letter"
     metrics_port: int = 0  # 0: no metrics endpoint
-    metrics_host: str = "0.0.0.0"
+    # The address /metrics listens on: this host only by default; a scraper elsewhere needs "0.0.0.0" (or the
+    # pod's address) and a network that keeps strangers out, since the endpoint has no authentication.
+    metrics_host: str = "127.0.0.1"
     # kafka-python settings from the environment (SECURITY_ENV); kept out of repr: it may hold a password.
     security: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
