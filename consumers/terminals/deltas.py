@@ -43,8 +43,9 @@ def decode_deltas(where: str, data: bytes, days: tuple[int, int] = (0, MAX_EPOCH
     check_header(f"terminal delta record at {where}", data, _MAGIC, "terminal_deltas_topic")
     try:
         terminals, day_list = json.loads(data[HEADER_SIZE:])
-        if not all(isinstance(t, str) for t in terminals):
-            raise TypeError("a terminal id that is not a string")
+        # Ids as the decoder accepts them (printable: a lone surrogate would fail the table's key encoding)
+        if not all(isinstance(t, str) and t.isprintable() for t in terminals):
+            raise TypeError("a terminal id that is not a printable string")
         op = TerminalOp(_EVENTS, list(terminals), np.asarray(day_list, dtype=np.int64))
     # RecursionError: nested deeper than the parser goes; OverflowError: a day beyond int64
     except (ValueError, TypeError, RecursionError, OverflowError) as error:
