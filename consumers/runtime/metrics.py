@@ -1,7 +1,8 @@
 """The scoring service's counters, served over HTTP in the Prometheus text format (version 0.0.4).
 
 A handful of lines of text need no client library: `render()` writes them by hand, and a stdlib
-ThreadingHTTPServer on a daemon thread serves them at /metrics.
+ThreadingHTTPServer on a daemon thread serves them at /metrics. A connection that sends nothing, or too
+slowly, is closed after REQUEST_TIMEOUT_S, so idle sockets cannot pile up threads in the service.
 """
 
 import logging
@@ -14,6 +15,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+REQUEST_TIMEOUT_S = 5.0  # a scrape takes milliseconds; a connection silent this long is dropped
+
 # name -> (type, help). Counters only grow; gauges are set; histograms count observations into HISTOGRAMS'
 # buckets (cumulative, as Prometheus expects) with their sum and count.
 METRICS = {
@@ -23,6 +26,18 @@ METRICS = {
     "txsentinel_labels_applied_total": ("counter", "Labels read from the labels topic and applied."),
     "txsentinel_batches_total": ("counter", "Polls processed and committed in one transaction each."),
     "txsentinel_duplicates_dropped_total": ("counter", "Redelivered events already applied (not rescored)."),
+    "txsentinel_replays_dropped_total": (
+        "counter",
+        "Events whose event_id their account had applied already, at another offset (dead-lettered).",
+    ),
+    "txsentinel_records_rekeyed_total": (
+        "counter",
+        "Transactions whose key was not their account_id, written again under it (key_mismatch: rekey).",
+    ),
+    "txsentinel_careful_batches_total": (
+        "counter",
+        "Batches read again one event at a time after a failure nobody foresaw (the failing event dead-lettered).",
+    ),
     "txsentinel_aborted_transactions_total": ("counter", "Transactions aborted (batch redelivered)."),
     "txsentinel_states_evicted_total": (
         "counter",
@@ -137,12 +152,19 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a connection still open never holds up the service's exit
+    block_on_close = False
+
+
 class MetricsServer:
     """Serves `metrics.render()` at http://host:port/metrics until close(); port 0 in the config means off,
     so this class is only built for a real port."""
 
-    def __init__(self, metrics: Metrics, host: str, port: int):
+    def __init__(self, metrics: Metrics, host: str, port: int, request_timeout_s: float = REQUEST_TIMEOUT_S):
         class Handler(BaseHTTPRequestHandler):
+            timeout = request_timeout_s  # the stdlib sets it on each connection's socket
+
             def do_GET(self):  # the stdlib names it
                 if self.path.split("?")[0] not in ("/metrics", "/"):
                     self.send_error(404, "only /metrics is served here")
@@ -158,7 +180,7 @@ class MetricsServer:
                 pass
 
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            self._server = _Server((host, port), Handler)
         except OSError as error:
             raise OSError(
                 f"metrics endpoint: cannot listen on {host}:{port} ({error}); choose another metrics_port, or 0 "

@@ -6,6 +6,8 @@ repository, so no secret is ever committed next to the code.
 """
 
 import dataclasses
+import datetime
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -93,12 +95,42 @@ class ServeConfig:
     max_states_in_memory: int = 500_000
     restore_timeout_s: float = 300.0  # per assignment: reading the changelog partitions of new partitions
     threshold: float | None = None  # alert threshold on the probability; None: the model's own
+    # What a valid transaction or label is: anything else goes to dead-letter with the reason. The same names
+    # and defaults as consumers/scoring/messages.py's MessageLimits, which checks them at start (a test holds
+    # the two together); docs/operations.md lists what is refused and why.
+    max_message_bytes: int = 65_536
+    max_json_depth: int = 8  # the formats are flat: deeper nesting is refused before the parser recurses
+    max_id_chars: int = 256  # event, account and terminal ids, and the optional texts
+    max_amount: float = 1e9  # at most 1e15: the features' sums of any history stay finite
+    earliest_ts: str = (
+        "2000-01-01T00:00:00+00:00"  # ts and label_ts before it are typos (2000 at the earliest)
+    )
+    # ts and label_ts at most this far after the instance's clock: a far-future event would move its account's
+    # and its terminal's day forward for good
+    max_ts_skew_s: float = 3600.0
+    # A transaction whose record key is missing or is not its account_id: "dead-letter" it, or "rekey": write
+    # it again to `transactions` under its account's key (in the batch's transaction), so it is scored from
+    # its account's partition, in order with the account's other events from there on.
+    key_mismatch: str = "dead-letter"
     metrics_port: int = 0  # 0: no metrics endpoint
-    metrics_host: str = "0.0.0.0"
+    # The address /metrics listens on: this host only by default; a scraper elsewhere needs "0.0.0.0" (or the
+    # pod's address) and a network that keeps strangers out, since the endpoint has no authentication.
+    metrics_host: str = "127.0.0.1"
     # kafka-python settings from the environment (SECURITY_ENV); kept out of repr: it may hold a password.
     security: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     def __post_init__(self):
+        if isinstance(self.earliest_ts, datetime.date):  # YAML reads an unquoted date or time as one
+            when = self.earliest_ts
+            if not isinstance(when, datetime.datetime):
+                when = datetime.datetime(when.year, when.month, when.day)
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=datetime.UTC)
+            object.__setattr__(self, "earliest_ts", when.isoformat())
+        for name in ("max_amount", "max_ts_skew_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"serve config: {name} = {value!r}, expected a finite number > 0")
         for name, least in (
             ("transactions_partitions", 1),
             ("replication_factor", 1),
@@ -113,6 +145,9 @@ class ServeConfig:
             ("terminal_deltas_retention_ms", 60_000),
             ("terminal_feed_interval_ms", 0),  # 0: before every batch
             ("max_states_in_memory", 1),
+            ("max_message_bytes", 64),
+            ("max_json_depth", 1),
+            ("max_id_chars", 1),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -137,6 +172,11 @@ class ServeConfig:
         ):
             raise ValueError(
                 f"serve config: instance_id = {self.instance_id!r}, expected a non-empty name or null"
+            )
+        if self.key_mismatch not in ("dead-letter", "rekey"):
+            raise ValueError(
+                f"serve config: key_mismatch = {self.key_mismatch!r}, expected 'dead-letter' or 'rekey' (write "
+                "the record again under its account's key)"
             )
         if self.terminal_table_writer not in ("embedded", "external"):
             raise ValueError(

@@ -2,14 +2,21 @@
 
 The record joins what the scorer keeps for an account in two places — the streaming featurizer's account
 record and the detector's recurrent state — with the exactly-once bookkeeping: the last applied source
-position (partition, offset) and the newest event ts applied. Restoring it reproduces the account exactly.
+position (partition, offset), the newest event ts applied and the hashes of the account's last
+RECENT_EVENT_IDS event ids (a producer's retry of an event at another offset is dropped by its id).
+Restoring it reproduces the account exactly.
 
-Layout (little-endian):
+Layout (little-endian), version 2:
 
     MAGIC "TXSA" (4) | RECORD_VERSION (u16) | featurizer state version (u16) | feature version (u16)
     | model fingerprint (8) | partition (i32) | offset (i64) | last ts µs (i64)
+    | recent ids count K (u16) | next recent slot (u16)
     | featurizer record length (u32) | detector record length (u32)
-    | featurizer record (pipeline.features.state.ACCOUNT_STATE bytes) | detector record (models.state_codec)
+    | recent ids (K x u64, 0 = empty, a ring) | featurizer record (pipeline.features.state.ACCOUNT_STATE bytes)
+    | detector record (models.state_codec)
+
+Version 1 had neither the two u16 nor the ids; it is still read, with an empty window (the account's
+replays are then caught by offset only until it has applied K events).
 
 The detector record carries its own header (detector name, config fingerprint, dtype). The model
 fingerprint adds the weights: a state written under other weights of the same architecture (a retrained
@@ -30,10 +37,19 @@ from pipeline.features.state import ACCOUNT_STATE
 from pipeline.features.state import STATE_VERSION as FEATURIZER_STATE_VERSION
 
 MAGIC = b"TXSA"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the recent event ids joined the record
+RECENT_EVENT_IDS = 16  # K: a producer retries within seconds, so an account's last 16 events hold its retries
 NO_POSITION = -1  # partition and offset of an account with no applied source position
 NO_TS = -(2**63)  # last_ts_us of an account with no event: older than any ts
-_HEADER = struct.Struct("<4sHHH8siqqII")
+_HEADER = struct.Struct("<4sHHH8siqqHHII")
+_HEADER_V1 = struct.Struct("<4sHHH8siqqII")
+_NO_IDS = bytes(8 * RECENT_EVENT_IDS)
+
+
+def event_id_hash(event_id: str) -> int:
+    """A stable 64-bit hash of an event id, never 0 (an empty slot of the window)."""
+    return int.from_bytes(hashlib.blake2b(event_id.encode(), digest_size=8).digest(), "little") or 1
+
 
 _REBUILD = (
     "restore it with the model and txsentinel version that wrote it, or drop it and rebuild the account's "
@@ -49,6 +65,8 @@ class AccountRecord:
     partition: int = NO_POSITION  # source partition of the last applied event
     offset: int = NO_POSITION  # its offset in that partition
     last_ts_us: int = NO_TS  # newest event ts applied to this account
+    recent_ids: bytes = _NO_IDS  # event_id_hash of its last RECENT_EVENT_IDS events, u64 each, a ring
+    recent_next: int = 0  # the ring's slot for the next event
 
     def to_bytes(self) -> bytes:
         header = _HEADER.pack(
@@ -60,10 +78,12 @@ class AccountRecord:
             self.partition,
             self.offset,
             self.last_ts_us,
+            RECENT_EVENT_IDS,
+            self.recent_next,
             len(self.features),
             len(self.detector),
         )
-        return header + self.features + self.detector
+        return header + self.recent_ids + self.features + self.detector
 
 
 # _HEADER as a numpy record, to write the headers of many accounts at once (encode_account_records)
@@ -77,6 +97,8 @@ _HEADER_ROW = np.dtype(
         ("partition", "<i4"),
         ("offset", "<i8"),
         ("last_ts_us", "<i8"),
+        ("recent_count", "<u2"),
+        ("recent_next", "<u2"),
         ("features_bytes", "<u4"),
         ("detector_bytes", "<u4"),
     ]
@@ -91,10 +113,12 @@ def encode_account_records(
     partition: np.ndarray,
     offset: np.ndarray,
     last_ts_us: np.ndarray,
+    recent_ids: np.ndarray,
+    recent_next: np.ndarray,
 ) -> list[bytes]:
     """AccountRecord(...).to_bytes() of N accounts at once, byte for byte: features [N] featurizer records
     (ACCOUNT_STATE), detector [N, bytes] (models.state_codec.encode_state_rows), partition, offset and
-    last_ts_us [N]. The service writes a record per changed account per poll, ~280 of them at 500 events a
+    last_ts_us [N], recent_ids [N, RECENT_EVENT_IDS] uint64 and recent_next [N]. The service writes a record per changed account per poll, ~280 of them at 500 events a
     poll; one at a time they cost ~8 us each."""
     n = len(features)
     header = np.zeros(n, dtype=_HEADER_ROW)
@@ -106,10 +130,13 @@ def encode_account_records(
     header["partition"] = partition
     header["offset"] = offset
     header["last_ts_us"] = last_ts_us
+    header["recent_count"] = RECENT_EVENT_IDS
+    header["recent_next"] = recent_next
     header["features_bytes"] = features.dtype.itemsize
     header["detector_bytes"] = detector.shape[1]
+    ids = np.ascontiguousarray(recent_ids, dtype="<u8").view(np.uint8).reshape(n, -1)
     records = np.concatenate(
-        [header.view(np.uint8).reshape(n, -1), features.view(np.uint8).reshape(n, -1), detector], axis=1
+        [header.view(np.uint8).reshape(n, -1), ids, features.view(np.uint8).reshape(n, -1), detector], axis=1
     )
     return [row.tobytes() for row in records]
 
@@ -121,17 +148,29 @@ def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
     Raises ValueError naming the account, what does not match and what to do.
     """
     where = f"account state record of {account_id!r}"
-    if len(data) < _HEADER.size or not data.startswith(MAGIC):
+    if len(data) < _HEADER_V1.size or not data.startswith(MAGIC):
         raise ValueError(
             f"{where}: not a txsentinel account state (starts with {bytes(data[:4])!r}, expected {MAGIC!r}, "
             f"{len(data)} bytes)"
         )
-    (_, version, state_version, feature_version, model, partition, offset, last_ts, n_feat, n_det) = (
-        _HEADER.unpack_from(data)
-    )
-    if version != RECORD_VERSION:
+    version = struct.unpack_from("<H", data, 4)[0]
+    if version == 1:  # before the recent event ids: read with an empty window
+        (_, _, state_version, feature_version, model, partition, offset, last_ts, n_feat, n_det) = (
+            _HEADER_V1.unpack_from(data)
+        )
+        n_ids, recent_next, start = 0, 0, _HEADER_V1.size
+    elif version == RECORD_VERSION and len(data) >= _HEADER.size:
+        (_, _, state_version, feature_version, model, partition, offset, last_ts, n_ids, recent_next, n_feat,
+         n_det) = _HEADER.unpack_from(data)  # fmt: skip
+        start = _HEADER.size
+        if n_ids != RECENT_EVENT_IDS or recent_next >= n_ids:
+            raise ValueError(
+                f"{where}: a window of {n_ids} recent event ids (next slot {recent_next}), this txsentinel keeps "
+                f"{RECENT_EVENT_IDS}; {_REBUILD}"
+            )
+    else:
         raise ValueError(
-            f"{where}: record version {version}, this txsentinel reads version {RECORD_VERSION}; {_REBUILD}"
+            f"{where}: record version {version}, this txsentinel reads versions 1 and {RECORD_VERSION}; {_REBUILD}"
         )
     if (state_version, feature_version) != (FEATURIZER_STATE_VERSION, FEATURE_VERSION):
         raise ValueError(
@@ -142,19 +181,21 @@ def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
         raise ValueError(
             f"{where}: featurizer record of {n_feat} bytes, expected {ACCOUNT_STATE.itemsize}; {_REBUILD}"
         )
-    if len(data) != _HEADER.size + n_feat + n_det:
+    if len(data) != start + 8 * n_ids + n_feat + n_det:
         raise ValueError(
-            f"{where}: {len(data)} bytes, but its header announces {_HEADER.size + n_feat + n_det}: the record "
-            "is truncated or corrupt"
+            f"{where}: {len(data)} bytes, but its header announces {start + 8 * n_ids + n_feat + n_det}: the "
+            "record is truncated or corrupt"
         )
-    start = _HEADER.size
+    features_at = start + 8 * n_ids
     return AccountRecord(
-        features=bytes(data[start : start + n_feat]),
-        detector=bytes(data[start + n_feat :]),
+        features=bytes(data[features_at : features_at + n_feat]),
+        detector=bytes(data[features_at + n_feat :]),
         model=model,
         partition=partition,
         offset=offset,
         last_ts_us=last_ts,
+        recent_ids=bytes(data[start:features_at]) or _NO_IDS,
+        recent_next=recent_next,
     )
 
 

@@ -3,16 +3,32 @@
 Per account, state lives in two places, the featurizer's account record and a row of the batched detector
 store, and leaves as one versioned byte record (account_state.py) for the service's changelog: produced for
 each changed account after a batch (take_changed, account_states_bytes), read back on a restore
-(restore_account), and let go when its partition leaves or memory is full (evict).
+(restore_account), and let go when its partition leaves or memory is full (evict). A checkpoint of some
+accounts and terminals puts them back as they were (rollback): the service's last resort scores events one
+at a time under one.
 """
 
+import dataclasses
 from collections.abc import KeysView, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from consumers.scoring.account_state import decode_account_record, encode_account_records
 from models.state_codec import decode_account_state, encode_state_rows
+from pipeline.features.stream import FeaturizerCheckpoint
+
+
+@dataclass(frozen=True)
+class ScorerCheckpoint:
+    """Some accounts and terminals as they were (Scorer.checkpoint), for rollback."""
+
+    records: dict[str, bytes]  # accounts held then: their whole state record
+    absent: set[str]  # accounts not held then
+    changed: set[str]  # of these accounts, those changed and not yet taken
+    featurizer: FeaturizerCheckpoint  # the terminals' records and the journal
+    stats: object  # the scorer's ScorerStats
 
 
 class HeldAccounts:
@@ -60,6 +76,8 @@ class HeldAccounts:
             store.partition[rows],
             store.offset[rows],
             store.last_ts_us[rows],
+            store.recent_ids[rows],
+            store.recent_next[rows],
         )
 
     @torch.inference_mode()
@@ -88,6 +106,8 @@ class HeldAccounts:
         self.store.partition[row] = record.partition
         self.store.offset[row] = record.offset
         self.store.last_ts_us[row] = record.last_ts_us
+        self.store.recent_ids[row] = np.frombuffer(record.recent_ids, dtype="<u8")
+        self.store.recent_next[row] = record.recent_next
         self.featurizer.accounts.put_bytes(account_id, record.features)
         self._changed.discard(account_id)  # memory now equals the record
 
@@ -116,3 +136,28 @@ class HeldAccounts:
                 f"account {account_id!r} is not in memory: score one of its events or restore_account it first"
             )
         return row
+
+    def checkpoint(self, account_ids: Sequence[str], terminal_ids: Sequence[str]) -> ScorerCheckpoint:
+        """These accounts and terminals as they are now, for rollback. It costs each account's state record:
+        for a last resort that scores events one at a time, not for every batch."""
+        accounts = list(dict.fromkeys(account_ids))
+        held = [a for a in accounts if a in self.store]
+        return ScorerCheckpoint(
+            records=dict(zip(held, self.account_states_bytes(held), strict=True)),
+            absent={a for a in accounts if a not in self.store},
+            changed=self._changed.intersection(accounts),
+            featurizer=self.featurizer.checkpoint([], list(dict.fromkeys(terminal_ids))),
+            stats=dataclasses.replace(self.stats),
+        )
+
+    def rollback(self, checkpoint: ScorerCheckpoint) -> None:
+        """Put the checkpoint's accounts and terminals back as they were, whatever happened since."""
+        for account in checkpoint.absent:
+            if account in self.store:
+                self.evict(account, discard_changes=True)
+        for account, data in checkpoint.records.items():
+            self.restore_account(account, data)
+        self._changed -= checkpoint.absent | set(checkpoint.records)
+        self._changed |= checkpoint.changed
+        self.featurizer.rollback(checkpoint.featurizer)
+        self.stats = checkpoint.stats

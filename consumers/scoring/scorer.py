@@ -4,12 +4,18 @@ Per micro-batch (one Kafka poll, or one slice of a replayed history), in arrival
   1. drop events already applied: (partition, offset) <= the account's last applied position in that
      partition. Each account state records that position, so a redelivery (a crash between producing the
      scores and committing the offsets) changes nothing, with or without Kafka transactions;
-  2. featurize the rest with the streaming featurizer, in one call;
-  3. normalise with the model's feature spec: x = [features, terminal bucket] [N, F + 1];
-  4. step the detector in rounds: round r holds the r-th event of every account in the batch, so each
+  2. reject replays: an event whose event_id is among its account's last RECENT_EVENT_IDS (or earlier in
+     this batch) — the same event at another offset, e.g. a producer's retry — is not applied again;
+  3. featurize the rest with the streaming featurizer, in one call; an event whose feature row is not
+     finite is rejected before it changes any state (StreamingFeaturizer.transform_finite);
+  4. normalise with the model's feature spec: x = [features, terminal bucket] [N, F + 1];
+  5. step the detector in rounds: round r holds the r-th event of every account in the batch, so each
      account's events go in order, and each round is ONE batched step over its accounts (gather their
-     states from the store, step, scatter back);
-  5. bookkeeping: each account's last applied position and newest ts, the set of changed accounts.
+     states from the store, step, scatter back). A score that is not finite raises: it is a fault, which
+     the caller's rollback and last resort deal with;
+  6. bookkeeping: each account's last applied position, newest ts and recent event ids, the set of changed
+     accounts.
+Rejected events come back with the reason (score_batch), for the service's dead-letter topic.
 
 State lives in two places per account — the featurizer's account record and a row of the batched detector
 store — and leaves as one byte record (account_state.py) for the changelog (held_accounts.py: records out
@@ -19,7 +25,8 @@ table is NOT per account: every event reads the risk of its terminal, whoever's 
 (consumers/terminals/table.py), and nothing here saves or restores it with the accounts.
 
 An exception out of `score` (none is expected for validated messages) may leave the accounts of that batch
-half-applied: treat it as a crash and restore those accounts from the changelog.
+half-applied: treat it as a crash and restore those accounts from the changelog, or from a checkpoint
+taken before (checkpoint, rollback).
 """
 
 import time
@@ -31,7 +38,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from consumers.scoring.account_state import model_fingerprint
+from consumers.scoring.account_state import RECENT_EVENT_IDS, event_id_hash, model_fingerprint
 from consumers.scoring.held_accounts import HeldAccounts
 from consumers.scoring.messages import Transaction
 from consumers.scoring.state_store import StateStore, rounds_of
@@ -53,6 +60,20 @@ class ScoreRecord:
     position: tuple[int, int] | None = None  # (partition, offset) in the source topic
 
 
+class Rejected(NamedTuple):
+    """An event not applied, and why (the dead-letter reason)."""
+
+    index: int  # in the micro-batch given
+    reason: str
+    replay: bool  # its event_id was applied already (else: its features are not finite)
+
+
+@dataclass(frozen=True)
+class Scored:
+    records: list[ScoreRecord]  # one per applied event, in input order
+    rejected: list[Rejected]  # in input order
+
+
 @dataclass
 class ScorerStats:
     """Running totals since the scorer started (for logs and the service's metrics)."""
@@ -61,6 +82,8 @@ class ScorerStats:
     events_in: int = 0
     events_applied: int = 0
     duplicates_dropped: int = 0
+    replays_dropped: int = 0  # an event_id its account had applied already, at another offset
+    not_finite: int = 0  # events whose feature row was not finite
     out_of_order: int = 0
     featurize_s: float = 0.0  # streaming featurizer
     detector_s: float = 0.0  # gather, step and scatter, all rounds
@@ -74,6 +97,7 @@ class _Scored(NamedTuple):
     score: np.ndarray  # float64
     alert: np.ndarray  # bool
     out_of_order: np.ndarray  # bool
+    rejected: list[Rejected]
 
 
 class Scorer(HeldAccounts):
@@ -130,7 +154,18 @@ class Scorer(HeldAccounts):
         positions: Sequence[tuple[int, int]] | None = None,
         labels: LabelBatch | None = None,
     ) -> list[ScoreRecord]:
-        """Apply a micro-batch (arrival order) and return one record per applied event, in input order.
+        """score_batch's records: one per applied event, in input order (rejected events are counted in
+        stats; score_batch says which and why)."""
+        return self.score_batch(transactions, positions, labels).records
+
+    def score_batch(
+        self,
+        transactions: Sequence[Transaction],
+        positions: Sequence[tuple[int, int]] | None = None,
+        labels: LabelBatch | None = None,
+    ) -> Scored:
+        """Apply a micro-batch (arrival order): one record per applied event, and the events rejected, with
+        the reason, each in input order (module docstring: what is dropped and what is rejected).
 
         positions: (partition, offset) of each transaction in its source topic; events at or before their
         account's last applied position in that partition are dropped (counted in stats). None: apply all.
@@ -156,8 +191,8 @@ class Scorer(HeldAccounts):
             ts_us=np.fromiter((t.ts_us for t in transactions), dtype=np.int64, count=n),
             amounts=np.fromiter((t.amount for t in transactions), dtype=np.float64, count=n),
         )
-        out = self._score_batch(events, pos, labels)
-        return [
+        out = self._score_batch(events, [t.event_id for t in transactions], pos, labels)
+        records = [
             ScoreRecord(
                 event_id=transactions[i].event_id,
                 account_id=transactions[i].account_id,
@@ -177,54 +212,114 @@ class Scorer(HeldAccounts):
                 strict=True,
             )
         ]
+        return Scored(records, out.rejected)
 
     def observe_labels(self, labels: LabelBatch) -> None:
         """Apply fraud labels that arrive between batches (label_ts <= every later event's ts)."""
         self.featurizer.observe_labels(labels)
 
     @torch.inference_mode()
-    def _score_batch(self, events: EventBatch, pos: np.ndarray | None, labels: LabelBatch | None) -> _Scored:
+    def _score_batch(
+        self,
+        events: EventBatch,
+        event_ids: Sequence[str] | None,
+        pos: np.ndarray | None,
+        labels: LabelBatch | None,
+    ) -> _Scored:
         started = time.perf_counter()
         n = len(events.ts_us)
         rows = self.store.rows(events.account_ids)  # [N]; new accounts start from init_state
-        applied = np.arange(n)
+        keep = np.ones(n, dtype=bool)
         last_position = None
         if pos is not None:
             keep, last_position = self._not_yet_applied(rows, pos)
-            applied = np.flatnonzero(keep)
-        if len(applied) < n:
-            events = EventBatch(
-                [events.account_ids[i] for i in applied],
-                [events.terminal_ids[i] for i in applied],
-                events.ts_us[applied],
-                events.amounts[applied],
-            )
-            rows = rows[applied]
-        m = len(applied)
-        if m == 0:
-            if labels is not None:
-                self.featurizer.observe_labels(labels)
-            empty = np.empty(0)
-            out = _Scored(applied, empty, empty, empty.astype(bool), empty.astype(bool))
-        else:
+        duplicates = n - int(keep.sum())
+        rejected: list[Rejected] = []
+        hashes = None
+        if event_ids is not None:
+            hashes = np.fromiter(map(event_id_hash, event_ids), dtype=np.uint64, count=n)
+            for i in self._replays(rows, hashes, keep):
+                keep[i] = False
+                rejected.append(
+                    Rejected(
+                        i,
+                        f"event_id {event_ids[i]!r} was applied already to account {events.account_ids[i]!r} "
+                        f"(among its last {RECENT_EVENT_IDS} events, or earlier in this batch): the same event "
+                        "at another offset, e.g. a producer's retry; not applied again",
+                        replay=True,
+                    )
+                )
+        applied = np.flatnonzero(keep)
+        replays = len(rejected)
+        logit = score = np.empty(0)
+        late = np.empty(0, dtype=bool)
+        if len(applied):
             t = time.perf_counter()
-            features, buckets = self.featurizer.transform(events, labels)  # [M, F] float64, [M] int64
+            part = _subset(events, applied)
+            # [M, F] float64, [M] int64; events whose row is not finite are left out, changing no state
+            features, buckets, kept, left_out = self.featurizer.transform_finite(part, labels)
             self.stats.featurize_s += time.perf_counter() - t
-            x = np.concatenate([self.spec.normalize(features), buckets[:, None].astype(np.float32)], axis=1)
-            logit, late = self._step_events(rows, torch.from_numpy(x), events.ts_us)  # x [M, F + 1]
-            score = _sigmoid(logit)
-            out = _Scored(applied, logit, score, score >= self.threshold, late)
-            if last_position is not None:
-                for row, (partition, offset) in last_position.items():
-                    self.store.partition[row], self.store.offset[row] = partition, offset
-            self._changed.update(events.account_ids)
+            for j, names in left_out.items():
+                i = int(applied[j])
+                name = repr(event_ids[i]) if event_ids is not None else f"number {i}"
+                rejected.append(
+                    Rejected(
+                        i,
+                        f"the features of event {name} are not finite ({', '.join(names)}): its amount or time "
+                        f"overflows the sums of account {events.account_ids[i]!r}; not applied",
+                        replay=False,
+                    )
+                )
+            applied = applied[kept]
+            if len(applied):
+                ts_us = events.ts_us[applied]
+                x = np.concatenate(
+                    [self.spec.normalize(features), buckets[:, None].astype(np.float32)], axis=1
+                )
+                logit, late = self._step_events(rows[applied], torch.from_numpy(x), ts_us)  # x [M, F + 1]
+                if not np.isfinite(logit).all():
+                    bad = int(applied[np.flatnonzero(~np.isfinite(logit))[0]])
+                    raise FloatingPointError(
+                        f"the detector's score of event number {bad} (account {events.account_ids[bad]!r}) is "
+                        "not finite: its state is not either. A fault of the model, not of the input"
+                    )
+                score = _sigmoid(logit)
+                if hashes is not None:
+                    self.store.remember_ids(rows[applied], hashes[applied])
+                self._changed.update(events.account_ids[i] for i in applied.tolist())
+        elif labels is not None:
+            self.featurizer.observe_labels(labels)
+        if last_position is not None:
+            for row, (partition, offset) in last_position.items():
+                self.store.partition[row], self.store.offset[row] = partition, offset
+        rejected.sort()
+        out = _Scored(applied, logit, score, score >= self.threshold, late, rejected)
+        m = len(applied)
         self.stats.batches += 1
         self.stats.events_in += n
         self.stats.events_applied += m
-        self.stats.duplicates_dropped += n - m
+        self.stats.duplicates_dropped += duplicates
+        self.stats.replays_dropped += replays
+        self.stats.not_finite += len(rejected) - replays
         self.stats.out_of_order += int(out.out_of_order.sum())
         self.stats.total_s += time.perf_counter() - started
         return out
+
+    def _replays(self, rows: np.ndarray, hashes: np.ndarray, keep: np.ndarray) -> list[int]:
+        """Kept events whose id hash is in their account's ring, or at an earlier event of this batch."""
+        index = np.flatnonzero(keep)
+        if len(index) == 0:
+            return []
+        known = (self.store.recent_ids[rows[index]] == hashes[index, None]).any(axis=1)
+        replays = set(index[known].tolist())
+        seen: set[tuple[int, int]] = set()
+        for i, pair in zip(
+            index.tolist(), zip(rows[index].tolist(), hashes[index].tolist(), strict=True), strict=True
+        ):
+            if pair in seen:
+                replays.add(i)
+            seen.add(pair)
+        return sorted(replays)
 
     def _not_yet_applied(self, rows: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, dict]:
         # -> keep [N] bool, and {row: (partition, offset)} of each account's last kept event. An event is
@@ -276,11 +371,19 @@ class Scorer(HeldAccounts):
         the frame has it), in (ts, event_id) order.
         """
         ordered = frame.sort("ts", "event_id")
+        event_ids = ordered["event_id"].to_list()
         logits = []
         done = 0
         # replay_batches cuts `ordered` into consecutive slices of batch_events rows, in this same order.
         for events, labels in replay_batches(ordered, batch_events):
-            out = self._score_batch(events, None, labels)
+            out = self._score_batch(events, event_ids[done : done + len(events.ts_us)], None, labels)
+            if out.rejected:
+                first = out.rejected[0]
+                raise ValueError(
+                    f"replay: {len(out.rejected)} event(s) of rows {done}..{done + len(events.ts_us) - 1} (in "
+                    f"(ts, event_id) order) were not applied, first row {done + first.index}: {first.reason}. "
+                    "Fix the dataset (txsentinel ingest checks it) and replay again"
+                )
             logits.append(out.logit)
             done += len(out.logit)
             if progress is not None:
@@ -294,6 +397,18 @@ class Scorer(HeldAccounts):
             pl.Series("alert", score >= self.threshold),
             *([ordered["is_fraud"]] if "is_fraud" in ordered.columns else []),
         )
+
+
+def _subset(events: EventBatch, index: np.ndarray) -> EventBatch:
+    if len(index) == len(events.ts_us):
+        return events
+    picked = index.tolist()
+    return EventBatch(
+        [events.account_ids[i] for i in picked],
+        [events.terminal_ids[i] for i in picked],
+        events.ts_us[index],
+        events.amounts[index],
+    )
 
 
 def _sigmoid(logit: np.ndarray) -> np.ndarray:

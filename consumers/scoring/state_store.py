@@ -7,7 +7,9 @@ account -> row through a dict; capacity doubles when full; an evicted account's 
 is reset to init_state when reused.
 
 Beside each row: the account's last applied source position (partition, offset) and the newest event ts
-applied, as numpy arrays [capacity] — what the scorer's duplicate and out-of-order checks read.
+applied, as numpy arrays [capacity], and the hashes of its last RECENT_EVENT_IDS event ids as a ring
+[capacity, K] with its next slot [capacity] — what the scorer's duplicate, replay and out-of-order checks
+read.
 """
 
 from collections.abc import KeysView, Sequence
@@ -15,7 +17,7 @@ from collections.abc import KeysView, Sequence
 import numpy as np
 import torch
 
-from consumers.scoring.account_state import NO_POSITION, NO_TS
+from consumers.scoring.account_state import NO_POSITION, NO_TS, RECENT_EVENT_IDS
 from models import contract
 from models.contract import RecurrentDetector, State, gather_states, scatter_states
 
@@ -35,6 +37,8 @@ class StateStore:
         self.partition = np.full(capacity, NO_POSITION, dtype=np.int64)
         self.offset = np.full(capacity, NO_POSITION, dtype=np.int64)
         self.last_ts_us = np.full(capacity, NO_TS, dtype=np.int64)
+        self.recent_ids = np.zeros((capacity, RECENT_EVENT_IDS), dtype=np.uint64)  # 0: an empty slot
+        self.recent_next = np.zeros(capacity, dtype=np.int64)
         self.slot_of: dict[str, int] = {}
         self._free: list[int] = []
         self._used = 0  # rows 0 .. _used - 1 have been handed out at least once
@@ -87,6 +91,8 @@ class StateStore:
         self.partition = np.concatenate([self.partition, np.full(added, NO_POSITION, dtype=np.int64)])
         self.offset = np.concatenate([self.offset, np.full(added, NO_POSITION, dtype=np.int64)])
         self.last_ts_us = np.concatenate([self.last_ts_us, np.full(added, NO_TS, dtype=np.int64)])
+        self.recent_ids = np.concatenate([self.recent_ids, np.zeros_like(self.recent_ids[:added])])
+        self.recent_next = np.concatenate([self.recent_next, np.zeros(added, dtype=np.int64)])
 
     @torch.inference_mode()
     def _reset(self, rows: np.ndarray) -> None:
@@ -98,6 +104,29 @@ class StateStore:
         self.partition[rows] = NO_POSITION
         self.offset[rows] = NO_POSITION
         self.last_ts_us[rows] = NO_TS
+        self.recent_ids[rows] = 0
+        self.recent_next[rows] = 0
+
+    def remember_ids(self, rows: np.ndarray, hashes: np.ndarray) -> None:
+        """Put applied events' id hashes [N] into their accounts' rings, in order (rows [N])."""
+        if len(rows) == 0:
+            return
+        order = np.argsort(rows, kind="stable")  # by account, then arrival
+        sorted_rows = rows[order]
+        first = np.r_[True, sorted_rows[1:] != sorted_rows[:-1]]
+        index = np.arange(len(rows))
+        rank = index - np.maximum.accumulate(np.where(first, index, 0))  # k-th event of its account here
+        group = np.cumsum(first) - 1
+        count = np.bincount(group)[group]  # its account's events here
+        # Only each account's last K events of the batch reach its ring: no two writes hit one slot.
+        last_k = rank >= count - RECENT_EVENT_IDS
+        account_rows, ranks = sorted_rows[last_k], rank[last_k]
+        slots = (self.recent_next[account_rows] + ranks) % RECENT_EVENT_IDS
+        self.recent_ids[account_rows, slots] = hashes[order][last_k]
+        ends = np.flatnonzero(np.r_[sorted_rows[1:] != sorted_rows[:-1], True])  # each account's last
+        self.recent_next[sorted_rows[ends]] = (self.recent_next[sorted_rows[ends]] + rank[ends] + 1) % (
+            RECENT_EVENT_IDS
+        )
 
     def evict(self, account_id: str) -> None:
         self._free.append(self.slot_of.pop(account_id))

@@ -5,27 +5,51 @@ has returned). In order:
 1. every `terminal_feed_interval_ms`, the labels and the other instances' terminal deltas that have arrived
    are applied to the terminal state (consumers/terminals/feed.py; records of either that do not decode are
    skipped, and the table writer dead-letters them);
-2. each message is decoded and validated (bad ones: dead letters with the reason and the original bytes);
-   accounts of the batch that memory let go of are read back from the changelog (consumers/service/dormant.py);
-3. Scorer.score, in partition order (one partition's records keep their order);
+2. each message is decoded and validated against the message settings (bad ones: dead letters with the
+   reason and the original bytes), and its key checked against its account_id (key_mismatch: a dead letter,
+   or the record written again under its account's key); accounts of the batch that memory let go of are
+   read back from the changelog (consumers/service/dormant.py);
+3. Scorer.score_batch, in partition order (one partition's records keep their order); the events it rejects
+   (replays, rows that are not finite) are dead letters too;
 4. records: scores (and alerts) to the input event's partition number, the batch's terminal delta (keyed by
    this instance's session, consumers/terminals/deltas.py), then the changed accounts' states to the
    changelog partition of the event that changed them.
+
+The last resort: a batch that fails for a reason nobody foresaw is rewound by the service and read again
+`careful`ly: each event scored on its own under a checkpoint of its account and terminal
+(Scorer.checkpoint), so the one that fails is rolled back and dead-lettered with the exception's text, and
+the rest go on exactly as if it had never come.
 """
 
+import logging
 import math
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from kafka.structs import OffsetAndMetadata
 
 from consumers.runtime.settings import ServeConfig
-from consumers.scoring.messages import MessageError, dead_letter_value, decode_transaction, encode_scores
+from consumers.scoring.messages import (
+    MessageError,
+    MessageLimits,
+    Transaction,
+    dead_letter_value,
+    decode_transaction,
+    encode_scores,
+)
 from consumers.scoring.scorer import Scorer
-from consumers.service.commit_pipeline import ScoredBatch
+from consumers.service.commit_pipeline import OutputRecord, ScoredBatch
 from consumers.service.dormant import DormantStates, Place
 from consumers.terminals.deltas import encode_deltas
 from consumers.terminals.feed import FeedReader
+
+log = logging.getLogger(__name__)
+
+
+class _Event(NamedTuple):
+    record: object  # the consumer's record
+    tx: Transaction
 
 
 class BatchScorer:
@@ -49,6 +73,8 @@ class BatchScorer:
         self.feed_interval_s = cfg.terminal_feed_interval_ms / 1000
         self.feed_read_at = -math.inf  # time.monotonic() of the last read of the feed
         self.model_version = model_version
+        self.limits = MessageLimits.of(cfg)  # refuses bounds it cannot keep, before the service starts
+        self.rekey = cfg.key_mismatch == "rekey"
         # Scores and alerts go to their input event's partition number when the topics have as many
         # partitions as `transactions` (those the service creates do): the key's partition under the default
         # partitioner, without kafka-python's pure-Python murmur2 per record (~10 us of a ~40 us send).
@@ -57,14 +83,30 @@ class BatchScorer:
         self.dead_letter_topic, self.changelog, self.deltas_topic = (
             cfg.topic("dead_letter"), cfg.topic("changelog"), cfg.topic("terminal_deltas")
         )  # fmt: skip
+        self.transactions_topic = cfg.topic("transactions")
 
-    def score(self, batch: dict) -> ScoredBatch:
-        """Decode, apply labels, score and encode a polled batch ({TopicPartition: records})."""
+    def score(self, batch: dict, careful: bool = False) -> ScoredBatch:
+        """Decode, apply labels, score and encode a polled batch ({TopicPartition: records}); `careful`:
+        one event at a time, each under a checkpoint (the module's last resort)."""
         started = time.monotonic()
         self.seq += 1
         out = ScoredBatch(batch, seq=self.seq)
         out.labels_applied, out.deltas_applied = self.fold_feed()  # they count for all this batch's events
-        transactions, positions, created_ms = [], [], []
+        events = self._decode(batch, out)
+        self._bring_back(out, {e.tx.account_id for e in events})
+        decoded = time.monotonic()
+        if careful:
+            out.careful = True
+            for event in events:
+                self._score_alone(out, event)
+        else:
+            out.records += self._score(out, events)
+        out.seconds = {"decode": decoded - started, "score": time.monotonic() - decoded}
+        return out
+
+    def _decode(self, batch: dict, out: ScoredBatch) -> list[_Event]:
+        events = []
+        now_us = time.time_ns() // 1000  # the clock ts is bounded by (max_ts_skew_s)
         for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
             for record in batch[tp]:
                 out.offsets[tp] = OffsetAndMetadata(record.offset + 1, "", -1)
@@ -72,42 +114,81 @@ class BatchScorer:
                 try:
                     if record.value is None:
                         raise MessageError("null value (a tombstone): expected a JSON transaction")
-                    transactions.append(decode_transaction(record.value))
-                    positions.append((record.partition, record.offset))
-                    created_ms.append(record.timestamp)
+                    tx = decode_transaction(record.value, self.limits, now_us)
                 except MessageError as error:
                     self._dead_letter(out, record, error)
-        self._bring_back(out, {tx.account_id for tx in transactions})
-        dropped_before = self.scorer.stats.duplicates_dropped
-        decoded = time.monotonic()
-        scores = self.scorer.score(transactions, positions)
-        scored = time.monotonic()
-        out.duplicates_dropped = self.scorer.stats.duplicates_dropped - dropped_before
+                    continue
+                except Exception as error:  # the decoder is total; should it not be, one record stops nothing
+                    log.exception("the decoder failed at %s", _where(record))
+                    self._dead_letter(out, record, MessageError(f"the decoder failed: {error!r}"[:500]))
+                    continue
+                if record.key != tx.account_id.encode():
+                    if self.rekey:  # to the partition its account's key picks; read from there, in order
+                        out.records.append((self.transactions_topic, tx.account_id, record.value, None))
+                        out.rekeyed += 1
+                        continue
+                    key = "missing" if record.key is None else f"{bytes(record.key)[:80]!r}"
+                    self._dead_letter(
+                        out,
+                        record,
+                        MessageError(
+                            f"record key {key} is not the body's account_id {tx.account_id!r}: the account's "
+                            "events must share one key, or its state splits over partitions (key_mismatch: "
+                            "rekey writes such a record again under its account's key)"
+                        ),
+                    )
+                    continue
+                events.append(_Event(record, tx))
+        return events
+
+    def _score(self, out: ScoredBatch, events: list[_Event]) -> list[OutputRecord]:
+        """Score events and encode everything their transaction writes; dead letters for the rejected."""
+        records: list[OutputRecord] = []
+        scorer = self.scorer
+        dropped_before = scorer.stats.duplicates_dropped
+        scored = scorer.score_batch(
+            [e.tx for e in events], [(e.record.partition, e.record.offset) for e in events]
+        )
+        for rejected in scored.rejected:
+            record = events[rejected.index].record
+            records.append(self._dead_letter_record(record, MessageError(rejected.reason)))
+            out.dead_lettered += 1
+            out.replays_dropped += rejected.replay
+        out.duplicates_dropped += scorer.stats.duplicates_dropped - dropped_before
         partition_of = {}
-        for s, value in zip(scores, encode_scores(scores, self.model_version), strict=True):
+        for s, value in zip(scored.records, encode_scores(scored.records, self.model_version), strict=True):
             partition = s.position[0] if self.co_partitioned else None
-            out.records.append((self.scores_topic, s.account_id, value, partition))
+            records.append((self.scores_topic, s.account_id, value, partition))
             if s.alert:
-                out.records.append((self.alerts_topic, s.account_id, value, partition))
+                records.append((self.alerts_topic, s.account_id, value, partition))
                 out.alerts += 1
             partition_of[s.account_id] = s.position[0]
-        out.scored = len(scores)
-        created = dict(zip(positions, created_ms, strict=True))  # duplicates dropped: no score
-        out.created_ms = [created[s.position] for s in scores]
-        # This batch's terminal event counts, for the other instances and the table writer.
-        deltas = encode_deltas(self.scorer.featurizer.take_terminal_journal())
+        out.scored += len(scored.records)
+        created = {(e.record.partition, e.record.offset): e.record.timestamp for e in events}
+        out.created_ms += [created[s.position] for s in scored.records]  # duplicates dropped: no score
+        # These events' terminal counts, for the other instances and the table writer.
+        deltas = encode_deltas(scorer.featurizer.take_terminal_journal())
         if deltas is not None:
-            out.records.append((self.deltas_topic, self.session, deltas, None))
+            records.append((self.deltas_topic, self.session, deltas, None))
         # Only now forget the changed set: should anything below fail, the rewind evicts and restores.
-        changed = sorted(self.scorer.take_changed())
-        for account, state in zip(changed, self.scorer.account_states_bytes(changed), strict=True):
-            out.records.append((self.changelog, account, state, partition_of[account]))
-        out.seconds = {
-            "decode": decoded - started,
-            "score": scored - decoded,
-            "encode": time.monotonic() - scored,
-        }
-        return out
+        changed = sorted(scorer.take_changed())
+        for account, state in zip(changed, scorer.account_states_bytes(changed), strict=True):
+            records.append((self.changelog, account, state, partition_of[account]))
+        return records
+
+    def _score_alone(self, out: ScoredBatch, event: _Event) -> None:
+        """The last resort: one event under a checkpoint; if it fails, rolled back and dead-lettered."""
+        counts = (out.scored, out.alerts, out.dead_lettered, out.replays_dropped, out.duplicates_dropped)
+        created = len(out.created_ms)
+        checkpoint = self.scorer.checkpoint([event.tx.account_id], [event.tx.terminal_id])
+        try:
+            out.records += self._score(out, [event])
+        except Exception as error:
+            self.scorer.rollback(checkpoint)
+            (out.scored, out.alerts, out.dead_lettered, out.replays_dropped, out.duplicates_dropped) = counts
+            del out.created_ms[created:]
+            log.exception("event at %s failed alone: dead-lettered", _where(event.record))
+            self._dead_letter(out, event.record, MessageError(f"scoring failed: {error!r}"[:500]))
 
     def _bring_back(self, out: ScoredBatch, accounts: set[str]) -> None:
         """Read the states of the batch's dormant accounts back from the changelog (consumers/service/dormant.py)."""
@@ -119,8 +200,11 @@ class BatchScorer:
             self.scorer.restore_account(account, value)
         out.reloaded = len(returning)
 
+    def _dead_letter_record(self, record, error: MessageError) -> OutputRecord:
+        return (self.dead_letter_topic, record.key, dead_letter_value(record, error), None)
+
     def _dead_letter(self, out: ScoredBatch, record, error: MessageError) -> None:
-        out.records.append((self.dead_letter_topic, record.key, dead_letter_value(record, error), None))
+        out.records.append(self._dead_letter_record(record, error))
         out.dead_lettered += 1
 
     def fold_feed(self) -> tuple[int, int]:
@@ -134,3 +218,7 @@ class BatchScorer:
         got = self.feed.read(self.session)
         got.fold_into(self.scorer.featurizer)
         return len(got.labels), len(got.deltas)
+
+
+def _where(record) -> str:
+    return f"{record.topic}[{record.partition}]@{record.offset}"

@@ -47,6 +47,9 @@ class ScoredBatch:
     alerts: int = 0
     dead_lettered: int = 0
     duplicates_dropped: int = 0
+    replays_dropped: int = 0  # events whose event_id was applied already (dead-lettered, in dead_lettered)
+    rekeyed: int = 0  # records written again under their account's key (key_mismatch: rekey)
+    careful: bool = False  # scored one event at a time: the last resort after a failed batch
     labels_applied: int = 0  # fraud and not-fraud labels read and applied before the batch's events
     deltas_applied: int = 0  # other instances' terminal delta records folded in before the batch's events
     reloaded: int = 0  # dormant accounts' states read back from the changelog for this batch

@@ -30,6 +30,7 @@ from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import (
     ensure_topics,  # also the public way in for callers (pipeline/cli/demo.py)
 )
+from consumers.scoring.messages import MessageLimits
 from consumers.scoring.scorer import Scorer
 from consumers.service.batch_limit import BatchLimit
 from consumers.service.batch_scoring import BatchScorer
@@ -103,6 +104,9 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.batches: BatchScorer | None = None  # polled batch -> records to send; built in start()
         self.dormant = DormantStates(cfg.max_states_in_memory)
         self.rebalance_callbacks = 0  # revocations and assignments seen: _top_up checks for one in between
+        # {partition: offset}: a batch that failed in scoring held records up to these offsets; read again,
+        # they are scored one event at a time (the last resort: consumers/service/batch_scoring.py)
+        self.suspect: dict[int, int] = {}
 
     def start(self, bootstrap: str) -> None:
         cfg = self.cfg
@@ -121,7 +125,7 @@ class _Service(Restore, Transactions, Bookkeeping):
         co_partitioned = counts["scores"] == counts["alerts"] == self.partitions
         self.feed = FeedReader.connect(
             bootstrap, "txsentinel-serve-feed", self.restorer, cfg.topic("labels"), cfg.topic("terminal_deltas"),
-            cfg.restore_timeout_s, **security,
+            cfg.restore_timeout_s, MessageLimits.of(cfg), **security,
         )  # fmt: skip
         self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics)
         self.batches = BatchScorer(
@@ -168,7 +172,7 @@ class _Service(Restore, Transactions, Bookkeeping):
         if not batch and not self.pipeline.busy():
             self._fold_feed_while_idle()
         try:
-            scored = self.batches.score(batch) if batch else None  # in memory only: nothing is sent yet
+            scored = self._score(batch) if batch else None  # in memory only: nothing is sent yet
             waiting = time.monotonic()
             self._settle()  # the previous batch's commit; raises what failed it
             if scored is not None:
@@ -176,6 +180,32 @@ class _Service(Restore, Transactions, Bookkeeping):
                 self._publish(scored)
         except Exception as error:
             self._recover(error, batch)
+
+    def _score(self, batch: dict) -> ScoredBatch:
+        """The batch scored, one event at a time where it holds records of a batch that failed in scoring;
+        a failure here marks its records so (the last resort: a failing record is dead-lettered, and the
+        service never loops on input)."""
+        careful = any(
+            records[0].offset <= self.suspect.get(tp.partition, -1)
+            for tp, records in batch.items()
+            if records
+        )
+        try:
+            scored = self.batches.score(batch, careful)
+        except Exception as error:
+            if careful:
+                raise  # one event at a time failed outside any one event: not the input's doing
+            for tp, records in batch.items():
+                if records:
+                    self.suspect[tp.partition] = max(self.suspect.get(tp.partition, -1), records[-1].offset)
+            log.warning(
+                "batch failed in scoring error=%r; it is read again and scored one event at a time", error
+            )
+            raise
+        for tp, records in batch.items():
+            if records and records[-1].offset >= self.suspect.get(tp.partition, records[-1].offset + 1):
+                del self.suspect[tp.partition]  # every suspect record of the partition is behind us
+        return scored
 
     def _settle(self) -> None:
         """Wait for the batch in flight to commit, then count it (raises what failed its commit)."""

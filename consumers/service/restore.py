@@ -25,7 +25,6 @@ from kafka.structs import TopicPartition
 
 from consumers.runtime.compacted import read_recent
 from consumers.service.commit_pipeline import Committed
-from consumers.service.producer import KEYS
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +132,8 @@ class Restore:
         """
         partitions = sorted({tp.partition for tp in batch})
         accounts = {a for p in partitions for a in self.scorer.accounts_in_partition(p)}
-        accounts |= {KEYS.deserialize(None, None, r.key) for rs in batch.values() for r in rs if r.key}
+        # A key that is not UTF-8 (a hostile record) names no account of ours: nothing to reload for it.
+        accounts |= {r.key.decode("utf-8", "replace") for rs in batch.values() for r in rs if r.key}
         for account in accounts & set(self.scorer.accounts_in_memory):
             self.scorer.evict(account, discard_changes=True)
         self.scorer.take_changed()

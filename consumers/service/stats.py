@@ -18,6 +18,9 @@ class ServeStats:
     dead_lettered: int = 0
     alerts: int = 0
     duplicates_dropped: int = 0
+    replays_dropped: int = 0  # an event_id its account had applied already, at another offset (dead-lettered)
+    rekeyed: int = 0  # records written again under their account's key (key_mismatch: rekey)
+    careful_batches: int = 0  # batches read again one event at a time after an unforeseen failure
     aborted_batches: int = 0
     rebalances: int = 0
     restored_states: int = 0
@@ -44,6 +47,9 @@ class Bookkeeping:
         self.stats.alerts += out.alerts
         self.stats.dead_lettered += out.dead_lettered
         self.stats.duplicates_dropped += out.duplicates_dropped
+        self.stats.replays_dropped += out.replays_dropped
+        self.stats.rekeyed += out.rekeyed
+        self.stats.careful_batches += out.careful
         self.stats.labels_applied += out.labels_applied
         self.stats.terminal_deltas_applied += out.deltas_applied
         self.stats.states_reloaded += out.reloaded
@@ -54,6 +60,9 @@ class Bookkeeping:
         m.inc("txsentinel_alerts_total", out.alerts)
         m.inc("txsentinel_events_dead_lettered_total", out.dead_lettered)
         m.inc("txsentinel_duplicates_dropped_total", out.duplicates_dropped)
+        m.inc("txsentinel_replays_dropped_total", out.replays_dropped)
+        m.inc("txsentinel_records_rekeyed_total", out.rekeyed)
+        m.inc("txsentinel_careful_batches_total", out.careful)
         m.inc("txsentinel_labels_applied_total", out.labels_applied)
         m.inc("txsentinel_terminal_deltas_applied_total", out.deltas_applied)
         m.inc("txsentinel_states_reloaded_total", out.reloaded)

@@ -16,7 +16,7 @@ import numpy as np
 
 from consumers.scoring.messages import MessageError
 from consumers.terminals.table import HEADER_SIZE, check_header, pack_header
-from pipeline.features.stream import TerminalOp
+from pipeline.features.stream import MAX_EPOCH_DAY, TerminalOp
 
 _MAGIC = b"TXD1"
 _EVENTS = "events"
@@ -36,17 +36,28 @@ def encode_deltas(ops: list[TerminalOp]) -> bytes | None:
     return pack_header(_MAGIC) + json.dumps([terminals, days], separators=(",", ":")).encode()
 
 
-def decode_deltas(where: str, data: bytes) -> TerminalOp:
-    """One delta value as an events op. A value that is not one: MessageError naming `where` (its readers
-    skip it, the table writer dead-letters it); one of another version: ValueError saying what to do."""
+def decode_deltas(where: str, data: bytes, days: tuple[int, int] = (0, MAX_EPOCH_DAY)) -> TerminalOp:
+    """One delta value as an events op, its epoch days within `days` (first, last). A value that is not one:
+    MessageError naming `where` (its readers skip it, the table writer dead-letters it); one of another
+    version: ValueError saying what to do."""
     check_header(f"terminal delta record at {where}", data, _MAGIC, "terminal_deltas_topic")
     try:
-        terminals, days = json.loads(data[HEADER_SIZE:])
-        op = TerminalOp(_EVENTS, [str(t) for t in terminals], np.asarray(days, dtype=np.int64))
-    except (ValueError, TypeError) as error:
-        raise MessageError(f"terminal delta record at {where} does not decode: {error}") from None
+        terminals, day_list = json.loads(data[HEADER_SIZE:])
+        # Ids as the decoder accepts them (printable: a lone surrogate would fail the table's key encoding)
+        if not all(isinstance(t, str) and t.isprintable() for t in terminals):
+            raise TypeError("a terminal id that is not a printable string")
+        op = TerminalOp(_EVENTS, list(terminals), np.asarray(day_list, dtype=np.int64))
+    # RecursionError: nested deeper than the parser goes; OverflowError: a day beyond int64
+    except (ValueError, TypeError, RecursionError, OverflowError) as error:
+        raise MessageError(f"terminal delta record at {where} does not decode: {error}"[:300]) from None
     if op.days.shape != (len(op.terminals),):
         raise MessageError(
             f"terminal delta record at {where} has {len(op.terminals)} terminals, {op.days.shape} days"
+        )
+    first, last = days
+    if len(op.days) and not (first <= int(op.days.min()) and int(op.days.max()) <= last):
+        raise MessageError(
+            f"terminal delta record at {where} has days {int(op.days.min())}..{int(op.days.max())}, outside "
+            f"{first}..{last}: no event could have them"
         )
     return op

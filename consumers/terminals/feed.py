@@ -21,7 +21,7 @@ from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
 
 from consumers.runtime.compacted import Reader, group_less_consumer
-from consumers.scoring.messages import Label, MessageError, decode_label
+from consumers.scoring.messages import Label, MessageError, MessageLimits, decode_label
 from consumers.terminals.deltas import decode_deltas
 from consumers.terminals.table import Positions, read_table
 from pipeline.features.stream import LabelBatch, StreamingFeaturizer, TerminalOp
@@ -32,25 +32,77 @@ log = logging.getLogger(__name__)
 @dataclass
 class FeedRead:
     labels: list[Label] = field(default_factory=list)
-    # (record, why) of labels and deltas that do not decode: skipped; the table writer dead-letters them
+    # (record, why) of labels and deltas that do not decode, or whose fold failed: skipped; the table
+    # writer dead-letters them
     bad: list[tuple[object, MessageError]] = field(default_factory=list)
     deltas: list[TerminalOp] = field(default_factory=list)  # of other sessions, to fold in
+    # the records the labels and deltas came from, one each (None where a caller built the read by hand)
+    label_records: list = field(default_factory=list)
+    delta_records: list = field(default_factory=list)
 
     def fold_into(self, featurizer: StreamingFeaturizer) -> None:
-        """Apply the deltas and the labels to the featurizer's terminal state (the fold is order-free)."""
-        featurizer.apply_terminal_ops(self.deltas)
-        if self.labels:
-            featurizer.observe_labels(label_batch(self.labels))
+        """Apply the deltas and the labels to the featurizer's terminal state (the fold is order-free).
+
+        The last resort: should the fold fail for a reason nobody foresaw, it is rolled back and done one
+        record at a time, each under a checkpoint of its terminals; a record that fails alone is rolled
+        back and moved to `bad` (the table writer dead-letters it), so no record stops a reader.
+        """
+        terminals = [t for op in self.deltas for t in op.terminals] + [
+            label.terminal_id for label in self.labels
+        ]
+        checkpoint = featurizer.checkpoint([], list(dict.fromkeys(terminals)))
+        try:
+            _fold(featurizer, self.deltas, self.labels)
+            return
+        except Exception:
+            featurizer.rollback(checkpoint)
+            log.exception("folding labels and terminal deltas failed: folding them one at a time")
+        records = {
+            "delta": _padded(self.delta_records, len(self.deltas)),
+            "label": _padded(self.label_records, len(self.labels)),
+        }
+        kept: dict[str, list] = {"delta": [], "label": []}
+        for kind, items in (("delta", self.deltas), ("label", self.labels)):
+            for item, record in zip(items, records[kind], strict=True):
+                one = ([item], []) if kind == "delta" else ([], [item])
+                terminals = item.terminals if kind == "delta" else [item.terminal_id]
+                checkpoint = featurizer.checkpoint([], list(dict.fromkeys(terminals)))
+                try:
+                    _fold(featurizer, *one)
+                    kept[kind].append(item)
+                except Exception as error:
+                    featurizer.rollback(checkpoint)
+                    log.exception("a %s failed to fold alone: skipped", kind)
+                    self.bad.append((record, MessageError(f"folding this {kind} failed: {error!r}"[:500])))
+        self.deltas, self.labels = kept["delta"], kept["label"]
+
+
+def _fold(featurizer: StreamingFeaturizer, deltas: list[TerminalOp], labels: list[Label]) -> None:
+    featurizer.apply_terminal_ops(deltas)
+    if labels:
+        featurizer.observe_labels(label_batch(labels))
+
+
+def _padded(records: list, n: int) -> list:
+    return records if len(records) == n else [None] * n
 
 
 class FeedReader:
     def __init__(
-        self, consumer: KafkaConsumer, offsets: Reader, labels_topic: str, deltas_topic: str, timeout_s: float
+        self,
+        consumer: KafkaConsumer,
+        offsets: Reader,
+        labels_topic: str,
+        deltas_topic: str,
+        timeout_s: float,
+        limits: MessageLimits | None = None,
     ):
         """`consumer`: read_committed, no group, fetches the topics. `offsets`: consumers only asked how far
         partitions go, never fetching between reads: the broker answers a connection's requests in order,
-        and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets request would wait too."""
+        and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets request would wait too.
+        `limits`: what a valid label is (ServeConfig's message settings; default MessageLimits())."""
         self.consumer, self.offsets, self.timeout_s = consumer, offsets, timeout_s
+        self.limits = MessageLimits() if limits is None else limits
         self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
         self.label_tps = self._partitions(labels_topic)
         self.delta_tps = self._partitions(deltas_topic)
@@ -59,11 +111,11 @@ class FeedReader:
     @classmethod
     def connect(
         cls, bootstrap: str, client_id: str, offsets: Reader, labels_topic: str, deltas_topic: str,
-        timeout_s: float, **settings,
+        timeout_s: float, limits: MessageLimits | None = None, **settings,
     ) -> "FeedReader":  # fmt: skip
         """A reader with a consumer of its own (closed by close())."""
         consumer = group_less_consumer(bootstrap, client_id, **settings)
-        return cls(consumer, offsets, labels_topic, deltas_topic, timeout_s)
+        return cls(consumer, offsets, labels_topic, deltas_topic, timeout_s, limits)
 
     def close(self) -> None:
         self.consumer.close()
@@ -128,30 +180,38 @@ class FeedReader:
         return out
 
     def _take(self, batch: dict, session: bytes | None, out: FeedRead) -> None:
+        now_us = time.time_ns() // 1000  # the clock label_ts and the deltas' days are bounded by
         for tp in sorted(batch, key=lambda tp: (tp.topic, tp.partition)):
             if tp.topic == self.labels_topic:
-                self._labels(batch[tp], out)
+                self._labels(batch[tp], out, now_us)
             else:
-                self._deltas(batch[tp], session, out)
+                self._deltas(batch[tp], session, out, now_us)
 
-    @staticmethod
-    def _labels(records, out: FeedRead) -> None:
+    def _labels(self, records, out: FeedRead, now_us: int) -> None:
         for record in records:
             try:
                 if record.value is None:
                     raise MessageError("null value (a tombstone): expected a JSON label")
-                out.labels.append(decode_label(record.value))
+                out.labels.append(decode_label(record.value, self.limits, now_us))
+                out.label_records.append(record)
             except MessageError as error:
                 out.bad.append((record, error))
+            except Exception as error:  # the decoder is total; should it not be, one label stops nothing
+                log.exception(
+                    "the label decoder failed at %s[%d]@%d", record.topic, record.partition, record.offset
+                )
+                out.bad.append((record, MessageError(f"the label decoder failed: {error!r}"[:300])))
 
-    @staticmethod
-    def _deltas(records, session: bytes | None, out: FeedRead) -> None:
+    def _deltas(self, records, session: bytes | None, out: FeedRead, now_us: int) -> None:
+        first, last = self.limits.days(now_us)
+        days = (first, last + 1)  # the instance that wrote it may run a little ahead of this one's clock
         for record in records:
             if session is not None and record.key == session:
                 continue  # this instance folded those events as it scored them
             where = f"{record.topic}[{record.partition}]@{record.offset}"
             try:
-                out.deltas.append(decode_deltas(where, record.value or b""))
+                out.deltas.append(decode_deltas(where, record.value or b"", days))
+                out.delta_records.append(record)
             except MessageError as error:  # its events are missing from the terminal counts from now on
                 log.warning("skipped a terminal delta record error=%s", error)
                 out.bad.append((record, error))

@@ -31,7 +31,7 @@ from consumers.runtime.metrics import Metrics, MetricsServer
 from consumers.runtime.settings import ServeConfig
 from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import ensure_topics
-from consumers.scoring.messages import dead_letter_value
+from consumers.scoring.messages import MessageLimits, dead_letter_value
 from consumers.terminals.feed import FeedRead, FeedReader
 from consumers.terminals.table import flush_records
 from pipeline.features.stream import StreamingFeaturizer
@@ -126,7 +126,7 @@ class TerminalTableWriter:
             reader = Reader.connect(self.bootstrap, "txsentinel-terminal-writer", **security)
             feed = FeedReader.connect(
                 self.bootstrap, "txsentinel-terminal-writer-feed", reader, cfg.topic("labels"),
-                cfg.topic("terminal_deltas"), cfg.restore_timeout_s, **security,
+                cfg.topic("terminal_deltas"), cfg.restore_timeout_s, MessageLimits.of(cfg), **security,
             )  # fmt: skip
             featurizer = StreamingFeaturizer()
             feed.start_from_table(featurizer, reader, cfg.topic("terminal_table"))

@@ -3,7 +3,12 @@
 For each micro-batch the raw aggregates of `definitions.py` are "what the state says about earlier batches"
 plus "what earlier events of this batch add": the in-batch part uses the same sorted-key trick as the batch
 form, on a few hundred events instead of the whole dataset. Work per batch is O(N log N) numpy with one dict
-look-up per event; no Python loop per event touches the arithmetic.
+look-up per event; no Python loop per event touches the arithmetic. The in-batch running sums are per
+entity (grouped_cumsum): an account's sums add its own values only, so one account's extreme amounts never
+reach another account's features, not even in the last bit.
+
+A batch is read first, then folded into the state (`_read` returns the fold): transform_finite leaves out
+the events whose feature row is not finite before anything is folded, so they change no state.
 
 Events are applied in arrival order. A late event (older day than its account or terminal has seen) has its
 windows end at the newest day seen, and its gap is clipped to 0; in time order — what the batch form and a
@@ -27,6 +32,7 @@ import polars as pl
 
 from pipeline.features.definitions import (
     DAY_US,
+    FEATURE_NAMES,
     SECOND_US,
     WINDOW_DAYS,
     derive_features,
@@ -44,6 +50,7 @@ from pipeline.features.state import (
 )
 
 _DAY_SPAN = 1 << 20  # composite key = code * _DAY_SPAN + day; epoch days stay far below 2**20
+MAX_EPOCH_DAY = _DAY_SPAN - 1  # the last day (in 4840) a composite key holds: callers keep days within
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,16 @@ class TerminalOp:
     kind: str
     terminals: list[str]
     days: np.ndarray
+
+
+@dataclass(frozen=True)
+class FeaturizerCheckpoint:
+    """Some accounts' and terminals' records as they were ({key: bytes, None: not held}), and how long the
+    terminal journal was: what rollback puts back."""
+
+    accounts: dict[str, bytes | None]
+    terminals: dict[str, bytes | None]
+    journal_length: int | None
 
 
 @dataclass(frozen=True)
@@ -93,10 +110,34 @@ def _entity_batch(table: StateTable, keys: Sequence[str], days: np.ndarray):
     return slots, codes, order, key, day_eff
 
 
-def _in_batch_windows(key: np.ndarray, values: np.ndarray | None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """For each window d: (count, sum of values) over earlier-or-same events of this batch in the window."""
+def grouped_cumsum(values: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Inclusive running sums of `values` [N] (sorted by group) that restart at each group (`first` [N] marks
+    a group's first element).
+
+    Every sum adds values of its own group only, in an order set by the positions within the group (a
+    Hillis-Steele scan: log2 of the longest group vectorised steps), so a group's sums do not depend on any
+    other group's values or on where the group lies in the batch, to the last bit.
+    """
+    n = len(values)
+    index = np.arange(n)
+    within = index - np.maximum.accumulate(np.where(first, index, 0))  # position inside the group
+    out = np.array(values, dtype=np.float64)
+    shift = 1
+    while True:
+        take = np.flatnonzero(within >= shift)
+        if len(take) == 0:
+            return out
+        out[take] = out[take] + out[take - shift]  # the right side is read whole before it is written
+        shift *= 2
+
+
+def _in_batch_windows(
+    key: np.ndarray, values: np.ndarray | None, first: np.ndarray
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """For each window d: (count, sum of values) over earlier-or-same events of this batch in the window.
+    key [N] sorted, its entity in the high bits; first [N] marks each entity's first event."""
     position = np.arange(len(key))
-    running = None if values is None else np.cumsum(values)
+    running = None if values is None else grouped_cumsum(values, first)
     out = {}
     for d in WINDOW_DAYS:
         start = np.searchsorted(key, key - (d - 1), side="left")
@@ -126,28 +167,84 @@ class StreamingFeaturizer:
         decode_tables(data, {"accounts": featurizer.accounts, "terminals": featurizer.terminals})
         return featurizer
 
+    def checkpoint(self, accounts: Sequence[str], terminals: Sequence[str]) -> FeaturizerCheckpoint:
+        """What rollback needs to undo any work on these accounts and terminals (a last resort's undo: not
+        for every batch)."""
+        journal = self.terminal_journal
+        return FeaturizerCheckpoint(
+            {key: self.accounts.get_bytes(key) for key in accounts},
+            {key: self.terminals.get_bytes(key) for key in terminals},
+            None if journal is None else len(journal),
+        )
+
+    def rollback(self, checkpoint: FeaturizerCheckpoint) -> None:
+        """Put the checkpoint's records back as they were: those that did not exist are dropped."""
+        for table, records in ((self.accounts, checkpoint.accounts), (self.terminals, checkpoint.terminals)):
+            for key, data in records.items():
+                if data is not None:
+                    table.put_bytes(key, data)
+                elif key in table:
+                    table.evict(key)
+        if checkpoint.journal_length is not None and self.terminal_journal is not None:
+            del self.terminal_journal[checkpoint.journal_length :]
+
     # -- the work ----------------------------------------------------------------------------------------
     def transform(
         self, events: EventBatch, labels: LabelBatch | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Features [N, F] float64 and terminal buckets [N] int64 of a micro-batch; updates the state."""
-        raw, hashes = self._raw(events, labels)
+        raw, hashes, fold = self._read(events, labels)
+        fold()
         return feature_matrix(derive_features(raw)), hashes[:, 0]
 
-    def raw_aggregates(self, events: EventBatch, labels: LabelBatch | None = None) -> dict[str, np.ndarray]:
-        return self._raw(events, labels)[0]
+    def transform_finite(
+        self, events: EventBatch, labels: LabelBatch | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, list[str]]]:
+        """transform, leaving out the events whose feature row is not finite: features [M, F], buckets [M],
+        kept [M] (indices into `events`, in order) and {left-out index: its non-finite features}. A left-out
+        event changes no state, and the events kept are featurized as if it had never come; the labels are
+        applied either way."""
+        kept = np.arange(len(events.ts_us))
+        left_out: dict[int, list[str]] = {}
+        part = events
+        while True:
+            with np.errstate(over="ignore", invalid="ignore"):  # what overflows is left out below
+                raw, hashes, fold = self._read(part, labels)
+                features = feature_matrix(derive_features(raw))
+            finite = np.isfinite(features)
+            if finite.all():  # each pass leaves out at least one event: at most N passes, one in practice
+                fold()
+                return features, hashes[:, 0], kept, left_out
+            for row in np.flatnonzero(~finite.all(axis=1)).tolist():
+                left_out[int(kept[row])] = [FEATURE_NAMES[f] for f in np.flatnonzero(~finite[row]).tolist()]
+            kept = kept[finite.all(axis=1)]
+            part = _take(events, kept)
 
-    def _raw(self, events: EventBatch, labels: LabelBatch | None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def raw_aggregates(self, events: EventBatch, labels: LabelBatch | None = None) -> dict[str, np.ndarray]:
+        raw, _, fold = self._read(events, labels)
+        fold()
+        return raw
+
+    def _read(self, events: EventBatch, labels: LabelBatch | None):
+        """-> raw aggregates {name: [N]}, terminal hashes [N, 2] and fold(): the batch read against the state,
+        and the call that then folds it (and the labels) into the state. New keys get empty records here."""
         ts_us = np.asarray(events.ts_us, dtype=np.int64)
         amounts = np.asarray(events.amounts, dtype=np.float64)
         days = ts_us // DAY_US
         hashes = terminal_hashes(events.terminal_ids)  # [N, 2]: embedding bucket, seen-bit
         raw: dict[str, np.ndarray] = {"amount": amounts, "ts_us": ts_us}
-        raw.update(self._account_part(events.account_ids, hashes[:, 1], ts_us, days, amounts))
-        raw.update(self._terminal_part(events.terminal_ids, ts_us, days, labels))
-        return raw, hashes
+        accounts, fold_accounts = self._account_part(events.account_ids, hashes[:, 1], ts_us, days, amounts)
+        terminals, fold_terminals = self._terminal_part(events.terminal_ids, ts_us, days, labels)
+        raw.update(accounts)
+        raw.update(terminals)
 
-    def _account_part(self, account_ids, bits, ts_us, days, amounts) -> dict[str, np.ndarray]:
+        def fold() -> None:
+            fold_accounts()
+            fold_terminals()
+
+        return raw, hashes, fold
+
+    def _account_part(self, account_ids, bits, ts_us, days, amounts):
         n = len(ts_us)
         slots, codes, order, key, day_eff = _entity_batch(self.accounts, account_ids, days)
         rec = self.accounts.records  # after _entity_batch: creating records may have grown the array
@@ -162,11 +259,9 @@ class StreamingFeaturizer:
             ("prev_sum_log_amount", log_amount, "sum_log_amount"),
             ("prev_sumsq_log_amount", log_amount * log_amount, "sumsq_log_amount"),
         ):
-            v = values[order]
-            running = np.cumsum(v) - v  # exclusive
-            group_base = np.maximum.accumulate(np.where(first_in_group, running, -np.inf))
+            inclusive = grouped_cumsum(values[order], first_in_group)
             prev = np.empty(n)
-            prev[order] = running - group_base
+            prev[order] = np.where(first_in_group, 0.0, np.concatenate([[0.0], inclusive[:-1]]))  # exclusive
             out[name] = prev + rec[field][slots]
         # Previous event's ts: the one before in this batch, else the state's.
         prev_ts = np.empty(n, dtype=np.int64)
@@ -184,7 +279,7 @@ class StreamingFeaturizer:
         repeat[pair_order[1:]] = pair[pair_order][1:] == pair[pair_order][:-1]
         out["terminal_seen"] = (seen_state.astype(bool) | repeat).astype(np.int64)
 
-        in_batch = _in_batch_windows(key, amounts[order])
+        in_batch = _in_batch_windows(key, amounts[order], first_in_group)
         in_state = ring_window_sums(rec, slots, day_eff, ("day_count", "day_amount"), "day")
         for d, (count, total) in in_batch.items():
             c = np.empty(n, dtype=np.int64)
@@ -194,21 +289,23 @@ class StreamingFeaturizer:
             out[f"account_count_{d}d"] = c + state_count
             out[f"account_amount_{d}d"] = s + state_amount
 
-        # Fold this batch into the state (after every read above).
-        last = np.ones(n, dtype=bool)  # last event of each account in this batch, in arrival order
-        last[:-1] = codes[order][1:] != codes[order][:-1]
-        last_idx = order[last]
-        group_slots = slots[last_idx]
-        np.add.at(rec["count"], slots, 1)
-        np.add.at(rec["sum_log_amount"], slots, log_amount)
-        np.add.at(rec["sumsq_log_amount"], slots, log_amount * log_amount)
-        rec["last_ts_us"][group_slots] = ts_us[last_idx]
-        rec["max_day"][group_slots] = day_eff[last_idx]
-        np.bitwise_or.at(rec["seen_terminals"], (slots, bits // 8), (1 << (bits % 8)).astype(np.uint8))
-        self._fold_days(rec, slots, day_eff, {"day_count": np.ones(n), "day_amount": amounts}, "day")
-        return out
+        def fold() -> None:  # this batch into the state, after every read above
+            rec = self.accounts.records
+            last = np.ones(n, dtype=bool)  # last event of each account in this batch, in arrival order
+            last[:-1] = codes[order][1:] != codes[order][:-1]
+            last_idx = order[last]
+            group_slots = slots[last_idx]
+            np.add.at(rec["count"], slots, 1)  # unbuffered, one event at a time: each slot its own sums
+            np.add.at(rec["sum_log_amount"], slots, log_amount)
+            np.add.at(rec["sumsq_log_amount"], slots, log_amount * log_amount)
+            rec["last_ts_us"][group_slots] = ts_us[last_idx]
+            rec["max_day"][group_slots] = day_eff[last_idx]
+            np.bitwise_or.at(rec["seen_terminals"], (slots, bits // 8), (1 << (bits % 8)).astype(np.uint8))
+            self._fold_days(rec, slots, day_eff, {"day_count": np.ones(n), "day_amount": amounts}, "day")
 
-    def _terminal_part(self, terminal_ids, ts_us, days, labels: LabelBatch | None) -> dict[str, np.ndarray]:
+        return out, fold
+
+    def _terminal_part(self, terminal_ids, ts_us, days, labels: LabelBatch | None):
         n = len(ts_us)
         table = self.terminals
         fraud = self._fraud_labels(labels)
@@ -218,7 +315,7 @@ class StreamingFeaturizer:
 
         out: dict[str, np.ndarray] = {}
         counts_in_state = ring_window_sums(rec, slots, day_eff, ("day_count",), "day")
-        for d, (count, _) in _in_batch_windows(key, None).items():
+        for d, (count, _) in _in_batch_windows(key, None, None).items():
             c = np.empty(n, dtype=np.int64)
             c[order] = count
             out[f"terminal_count_{d}d"] = c + counts_in_state[d][0]
@@ -239,10 +336,12 @@ class StreamingFeaturizer:
                 reports = reports + known.sum(axis=1)
             out[f"terminal_reports_{d}d"] = reports
 
-        self._fold_terminal_events(list(terminal_ids), slots, days)  # own days: order-free (module doc)
-        if fraud is not None:
-            self._fold_terminal_reports(list(fraud[0]), label_slots, fraud[1] // DAY_US)
-        return out
+        def fold() -> None:
+            self._fold_terminal_events(list(terminal_ids), slots, days)  # own days: order-free (module doc)
+            if fraud is not None:
+                self._fold_terminal_reports(list(fraud[0]), label_slots, fraud[1] // DAY_US)
+
+        return out, fold
 
     def observe_labels(self, labels: LabelBatch) -> None:
         """Apply labels that arrive between batches (label_ts <= every later event's ts)."""
@@ -313,6 +412,17 @@ class StreamingFeaturizer:
             name: np.bincount(inverse, weights=v, minlength=len(unique_key)) for name, v in values.items()
         }
         add_to_ring(rec, unique_key // _DAY_SPAN, unique_key % _DAY_SPAN, totals, day_field)
+
+
+def _take(events: EventBatch, index: np.ndarray) -> EventBatch:
+    """The events at `index` [M], in that order."""
+    picked = index.tolist()
+    return EventBatch(
+        [events.account_ids[i] for i in picked],
+        [events.terminal_ids[i] for i in picked],
+        np.asarray(events.ts_us)[index],
+        np.asarray(events.amounts)[index],
+    )
 
 
 def replay_batches(

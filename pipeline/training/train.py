@@ -148,7 +148,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         trainer.fit(module, datamodule=data)
         best = trainer.checkpoint_callback.best_model_path
         if best:
-            module.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
+            module.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])
         train_seconds = time.perf_counter() - started
         trainer.validate(module, datamodule=data, verbose=False)  # the best weights' validation scores
         threshold = _threshold(module.scores["val"], train_seqs, cfg.alert_budget_per_day)

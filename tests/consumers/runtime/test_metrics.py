@@ -1,11 +1,14 @@
 """The service's Prometheus text: counters, gauges and histograms as a scraper parses them."""
 
 import re
+import socket
+import time
 import urllib.request
 
 import pytest
 
 from consumers.runtime.metrics import HISTOGRAMS, Metrics, MetricsServer
+from consumers.runtime.settings import ServeConfig
 
 
 def parse(text: str) -> dict[str, float]:
@@ -55,3 +58,21 @@ def test_counters_and_gauges_render_and_serve_over_http():
     assert values["txsentinel_events_scored_total"] == 520
     assert values["txsentinel_consumer_lag"] == 3
     assert values["txsentinel_batch_seconds_count"] == 0
+
+
+def test_a_silent_connection_is_closed_after_the_request_timeout_and_scrapes_go_on():
+    server = MetricsServer(Metrics(), "127.0.0.1", 0, request_timeout_s=0.3)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as silent:
+            silent.sendall(b"GET /metr")  # and then nothing: a slow or stuck client
+            started = time.monotonic()
+            assert silent.recv(1024) == b""  # the server hung up ...
+            assert time.monotonic() - started < 3  # ... after its timeout, not never
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as response:
+            assert response.status == 200
+    finally:
+        server.close()
+
+
+def test_the_endpoint_listens_on_this_host_only_by_default():
+    assert ServeConfig().metrics_host == "127.0.0.1"

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from consumers.runtime.settings import ServeConfig, load_serve_config, parse_settings
+from consumers.scoring.messages import MessageLimits, parse_ts
 
 
 def test_without_a_file_or_with_an_empty_one_the_settings_are_the_defaults(tmp_path):
@@ -62,6 +63,10 @@ def test_secrets_are_refused_in_a_file_and_taken_from_the_environment_only(tmp_p
         ("threshold", 1.5, "threshold = 1.5, expected a probability in"),
         ("metrics_port", 70000, "metrics_port = 70000, expected 0"),
         ("group_id", "", "group_id is empty"),
+        ("max_amount", float("inf"), "max_amount = inf, expected a finite number > 0"),
+        ("max_ts_skew_s", 0, "max_ts_skew_s = 0, expected a finite number > 0"),
+        ("max_json_depth", 0, "max_json_depth = 0, expected an integer >= 1"),
+        ("key_mismatch", "drop", "key_mismatch = 'drop', expected 'dead-letter' or 'rekey'"),
     ],
 )
 def test_a_bad_value_is_refused_with_its_name(setting, value, message):
@@ -74,3 +79,16 @@ def test_set_flags_are_read_as_yaml_values_and_a_flag_without_a_value_is_refused
     assert parse_settings(flags) == {"max_states_in_memory": 300, "threshold": None, "group_id": "g-1"}
     with pytest.raises(ValueError, match="--set 'max_poll_records': expected key=value"):
         parse_settings(["max_poll_records"])
+
+
+def test_the_message_settings_are_the_decoders_limits_with_the_same_defaults(tmp_path):
+    # Two layers that may not import each other hold the same names: one source of truth, held here.
+    assert MessageLimits.of(ServeConfig()) == MessageLimits()
+    path = tmp_path / "serve.yaml"
+    path.write_text("max_amount: 5000\nearliest_ts: 2020-01-01\nmax_ts_skew_s: 60\n")  # YAML: a date
+    cfg = load_serve_config(path, env={})
+    limits = MessageLimits.of(cfg)
+    assert (limits.max_amount, limits.max_ts_skew_s) == (5000, 60)
+    assert limits.earliest_us == parse_ts("2020-01-01T00:00:00Z", "earliest_ts")
+    with pytest.raises(ValueError, match="max_amount = 1e\\+20: expected at most 1e15"):
+        MessageLimits.of(load_serve_config(None, overrides={"max_amount": 1e20}, env={}))

@@ -1,12 +1,14 @@
 """The JSON message formats of the transactions and labels topics."""
 
 import json
+import math
 
 import pytest
 
 from consumers.scoring.messages import (
     Label,
     MessageError,
+    MessageLimits,
     Transaction,
     decode_label,
     decode_transaction,
@@ -108,3 +110,63 @@ def test_fast_score_encoding_equals_the_json_dumps_reference_byte_for_byte():
         assert fast == [encode_score(r, version) for r in records]
         assert json.loads(fast[1])["ts"] == "2026-03-01T12:00:00.250000Z"
     assert encode_scores([], "3") == []
+
+
+NOW_US = parse_ts("2026-03-01T12:00:00Z", "now")
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"event_id":' * 2000 + b"1" + b"}" * 2000, "JSON nested 2000 deep; the limit is 8"),
+        (message(amount=10**400), "is above max_amount = 1e+09"),
+        (
+            message(amount=12.5).replace(b"12.5", b"9" * 5000),
+            "not valid UTF-8 JSON: Exceeds the limit (4300 digits)",
+        ),
+        (message(amount=2e9), "above max_amount"),
+        (message(amount=1e308 * 10), "inf is not a finite amount"),
+        (message(account_id="A\ud800"), "holds U+D800, a lone surrogate, which UTF-8 cannot encode"),
+        (message(terminal_id="T\x00"), "holds U+0000, not printable"),
+        (message(event_id="E\u202e1"), "holds U+202E, not printable"),  # right-to-left override
+        (message(country="F\nR"), "'country': 'F\\nR' holds U+000A"),
+        (message(event_id="E" * 257), "257 characters; the limit is 256"),
+        (message(ts="2026-03-01T13:00:01Z"), "3601 s in the future: more than max_ts_skew_s = 3600"),
+        (message(ts="2099-12-31T00:00:00Z"), "in the future"),
+        (message(ts="0001-01-01T00:00:00+01:00"), "is outside 2000..2099"),
+        ('{"amount": 1}'.encode("utf-16"), "not valid UTF-8 JSON"),
+        (message(**{"\x07bell": 1}), "unknown field(s): '\\x07bell'"),
+    ],
+)
+def test_hostile_transactions_are_refused_with_a_reason(raw, reason):
+    with pytest.raises(MessageError) as error:
+        decode_transaction(raw, MessageLimits(), NOW_US)
+    assert reason in str(error.value)
+    assert len(str(error.value)) < 400  # the value is shown cut, never whole
+
+
+def test_limits_are_settings():
+    tight = MessageLimits(
+        max_amount=100.0, max_id_chars=2, earliest_ts="2026-01-01T00:00:00Z", max_ts_skew_s=1
+    )
+    with pytest.raises(MessageError, match="above max_amount = 100"):
+        decode_transaction(message(amount=100.5), tight, NOW_US)
+    with pytest.raises(MessageError, match="3 characters; the limit is 2"):
+        decode_transaction(message(event_id="E12"), tight, NOW_US)
+    with pytest.raises(MessageError, match=r"outside 2026\.\.2099: earliest accepted 2026-01-01T00:00:00"):
+        decode_transaction(message(ts="2025-12-31T23:59:59Z"), tight, NOW_US)
+    with pytest.raises(MessageError, match="in the future"):
+        decode_transaction(message(ts="2026-03-01T12:00:01.000001Z"), tight, NOW_US)
+    assert decode_transaction(message(ts="2026-03-01T12:00:01Z"), tight, NOW_US).amount == 12.5
+    assert decode_transaction(message(amount=-0.0), tight, NOW_US).amount == 0.0  # not -0.0
+    for bad in ({"max_amount": math.inf}, {"max_amount": 1e300}, {"max_json_depth": 0}, {"earliest_ts": "x"}):
+        with pytest.raises(ValueError):
+            MessageLimits(**bad)
+
+
+def test_a_label_from_the_future_is_refused():
+    data = {"event_id": "E1", "account_id": "A1", "terminal_id": "T", "is_fraud": True}
+    late = json.dumps({**data, "label_ts": "2030-01-01T00:00:00Z"}).encode()
+    with pytest.raises(MessageError, match=r"'label_ts': '2030-01-01T00:00:00Z' is \d+ s in the future"):
+        decode_label(late, MessageLimits(), NOW_US)
+    assert decode_label(json.dumps({**data, "label_ts": "2026-03-01T12:00:00Z"}).encode(), now_us=NOW_US)

@@ -5,6 +5,7 @@ small generated dataset whose micro-batches hold several events of one account.
 """
 
 import dataclasses
+import struct
 from datetime import timedelta
 
 import numpy as np
@@ -12,13 +13,16 @@ import polars as pl
 import pytest
 import torch
 
-from consumers.scoring.account_state import AccountRecord, decode_account_record
+from consumers.scoring.account_state import RECENT_EVENT_IDS, AccountRecord, decode_account_record
 from consumers.scoring.messages import Transaction, transactions_from_frame
 from consumers.scoring.scorer import Scorer
 from models.registry import REGISTRY, build_detector
 from models.state_codec import encode_account_state
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features import TERMINAL_BUCKET_COLUMN, FeatureSpec, compute_features, fit_feature_spec
+from pipeline.features.definitions import FEATURE_VERSION
+from pipeline.features.state import ACCOUNT_STATE
+from pipeline.features.state import STATE_VERSION as FEATURIZER_STATE_VERSION
 from pipeline.registry.artifact import LoadedModel
 
 DETECTORS = sorted(REGISTRY)
@@ -275,3 +279,141 @@ def test_model_and_spec_must_agree(spec):
     half.detector.half()
     with pytest.raises(ValueError, match="float32 at least"):
         Scorer(half)
+
+
+# -- hostile input: replays and extreme amounts --------------------------------------------------------
+
+
+def on_own_terminal(txs: list[Transaction], account: str, amount: float | None) -> list[Transaction]:
+    """txs with `account`'s events at a terminal of its own (terminal counts are shared by design, amounts
+    are not) and, unless None, at `amount`."""
+    return [
+        t._replace(terminal_id="own", amount=t.amount if amount is None else amount)
+        if t.account_id == account
+        else t
+        for t in txs
+    ]
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+@pytest.mark.parametrize("amount", [1e15, 1e308])
+def test_one_accounts_extreme_amounts_leave_every_other_accounts_scores_bit_for_bit(
+    name, amount, frame, spec
+):
+    txs = transactions_from_frame(frame.head(900))
+    chosen = max({t.account_id for t in txs}, key=[t.account_id for t in txs].count)
+    model = make_model(name, spec)
+    extreme, normal = Scorer(model), Scorer(model)
+    got, expected, rejected = [], [], []
+    for start in range(0, len(txs), BATCH_EVENTS):
+        part = txs[start : start + BATCH_EVENTS]
+        scored = extreme.score_batch(on_own_terminal(part, chosen, amount))
+        got += scored.records
+        rejected += [r.reason for r in scored.rejected]
+        # The same micro-batch at ordinary amounts, less the events refused: a batched matmul's rounding
+        # may depend on how many rows it has, so the batches keep their sizes.
+        refused = {r.index for r in scored.rejected}
+        expected += normal.score(
+            [t for i, t in enumerate(on_own_terminal(part, chosen, None)) if i not in refused]
+        )
+    others = [r for r in expected if r.account_id != chosen]
+    assert len(others) > 800
+    assert [r for r in got if r.account_id != chosen] == others  # every field, every bit
+    mine = [r for r in got if r.account_id == chosen]
+    assert all(np.isfinite(r.logit) and 0.0 <= r.score <= 1.0 for r in got)
+    if amount == 1e15:  # large but within max_amount's bound: applied, finite
+        assert len(mine) == sum(t.account_id == chosen for t in txs) and rejected == []
+    else:  # its sums overflow: those events are refused with the reason, the others applied
+        assert rejected and all("are not finite (account_log_mean_amount" in r for r in rejected)
+        assert extreme.stats.not_finite == len(rejected) and mine
+    for account in extreme.accounts_in_memory:  # and nothing non-finite reached a state
+        state = extreme.account_state_bytes(account)
+        features = np.frombuffer(decode_account_record(state, account).features, dtype=ACCOUNT_STATE)
+        assert all(
+            np.isfinite(features[f]).all() for f in ("sum_log_amount", "sumsq_log_amount", "day_amount")
+        )
+        recurrent = extreme.store.gather(extreme.store.rows([account]))
+        assert all(torch.isfinite(tensor).all() for tensor in recurrent.values())
+
+
+@pytest.mark.parametrize("name", DETECTORS[:1])
+def test_an_event_id_applied_already_is_not_applied_again_even_after_a_restore(name, frame, spec):
+    txs = transactions_from_frame(frame.head(200))
+    scorer = Scorer(make_model(name, spec))
+    scorer.score(txs, [(0, i) for i in range(200)])
+    retry = txs[150]  # a producer's retry: the same event at a later offset
+    scored = scorer.score_batch([retry, txs[199]._replace(event_id="new")], [(0, 200), (0, 201)])
+    assert [r.event_id for r in scored.records] == ["new"]
+    assert [(r.index, r.replay) for r in scored.rejected] == [(0, True)]
+    assert (
+        repr(retry.event_id) in scored.rejected[0].reason and "not applied again" in scored.rejected[0].reason
+    )
+    assert scorer.stats.replays_dropped == 1
+
+    # The window travels with the account's record, and holds its last RECENT_EVENT_IDS events only.
+    account = retry.account_id
+    mine = [t for t in txs if t.account_id == account]
+    data = scorer.account_state_bytes(account)
+    scorer.take_changed()
+    scorer.evict(account)
+    scorer.restore_account(account, data)
+    assert scorer.score_batch([mine[-1]], [(1, 5)]).rejected  # another partition, same id: still a replay
+    record = decode_account_record(data, account)
+    assert record.recent_ids != bytes(len(record.recent_ids))
+
+    fresh = Scorer(make_model(name, spec))
+    many = [Transaction(f"N{i}", "A-many", txs[0].ts_us + i, 1.0, "T") for i in range(RECENT_EVENT_IDS + 3)]
+    fresh.score(many[:5])
+    fresh.score(many[5:])  # a ring: the first three fell out
+    again = fresh.score_batch([many[0], many[3], many[3]])
+    assert [r.index for r in again.rejected] == [1, 2]  # the ring's own, then the batch's own repeat
+    assert [r.event_id for r in again.records] == ["N0"]
+
+
+def test_a_record_of_version_1_is_read_with_an_empty_window(frame, spec):
+    scorer = Scorer(make_model(DETECTORS[0], spec))
+    txs = transactions_from_frame(frame.head(50))
+    scorer.score(txs)
+    account = txs[0].account_id
+    record = decode_account_record(scorer.account_state_bytes(account), account)
+    v1 = struct.pack(
+        "<4sHHH8siqqII", b"TXSA", 1, FEATURIZER_STATE_VERSION, FEATURE_VERSION, record.model, record.partition,
+        record.offset, record.last_ts_us, len(record.features), len(record.detector),
+    ) + record.features + record.detector  # fmt: skip
+    old = decode_account_record(v1, account)
+    assert old == dataclasses.replace(record, recent_ids=bytes(8 * RECENT_EVENT_IDS), recent_next=0)
+
+
+@pytest.mark.parametrize("name", DETECTORS[:1])
+def test_a_rollback_puts_accounts_and_terminals_back_exactly(name, frame, spec):
+    txs = transactions_from_frame(frame.head(300))
+    scorer = Scorer(make_model(name, spec))
+    scorer.featurizer.terminal_journal = []
+    scorer.score(txs[:200])
+    part = [*txs[200:260], Transaction("brand-new", "A-new", txs[-1].ts_us, 5.0, "T-new")]
+    accounts = [t.account_id for t in part]
+    terminals = [t.terminal_id for t in part]
+    held = sorted(scorer.accounts_in_memory)
+    before = dict(zip(held, scorer.account_states_bytes(held), strict=True))
+    terminal_before = {t: scorer.featurizer.terminals.get_bytes(t) for t in terminals}
+    changed, journal = set(scorer._changed), len(scorer.featurizer.terminal_journal)
+    stats = dataclasses.replace(scorer.stats)
+
+    checkpoint = scorer.checkpoint(accounts, terminals)
+    scorer.score(part)
+    scorer.rollback(checkpoint)
+    assert sorted(scorer.accounts_in_memory) == held  # the new account is gone
+    assert dict(zip(held, scorer.account_states_bytes(held), strict=True)) == before
+    assert {t: scorer.featurizer.terminals.get_bytes(t) for t in terminals} == terminal_before
+    assert scorer._changed == changed and len(scorer.featurizer.terminal_journal) == journal
+    assert scorer.stats == stats
+    # and what comes next scores as if the rolled-back batch had never been
+    straight = Scorer(make_model(name, spec))
+    straight.score(txs[:200])
+    np.testing.assert_array_equal(logits(scorer.score(txs[260:])), logits(straight.score(txs[260:])))
+
+
+def test_replay_refuses_a_dataset_it_cannot_apply(frame, spec):
+    bad = frame.head(100).with_columns(pl.lit(1e308).alias("amount"))
+    with pytest.raises(ValueError, match=r"replay: .* not applied, first row \d+: the features of event"):
+        Scorer(make_model(DETECTORS[0], spec)).replay(bad)

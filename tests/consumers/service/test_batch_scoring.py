@@ -1,16 +1,32 @@
 """BatchScorer.fold_feed: labels and other instances' deltas are read every terminal_feed_interval_ms, not
 before every batch (each read costs a broker round trip). The feed is a stand-in that counts its reads; the
-reads against the real broker: tests/integration/test_service_labels.py."""
+reads against the real broker: tests/integration/test_service_labels.py.
 
+And what a batch writes for hostile input, with a real scorer: dead letters with their reasons, a record
+written again under its account's key, and the last resort that scores one event at a time."""
+
+import json
+import time
+from collections import namedtuple
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
+import torch
+from kafka.structs import TopicPartition
 
 from consumers.runtime.settings import load_serve_config
+from consumers.scoring.messages import Transaction, encode_transaction
+from consumers.scoring.scorer import Scorer
 from consumers.service import batch_scoring
 from consumers.service.batch_scoring import BatchScorer
+from consumers.service.dormant import DormantStates
 from consumers.terminals.feed import FeedRead
+from models.registry import build_detector
+from pipeline.features.definitions import FEATURE_NAMES
+from pipeline.features.spec import FeatureSpec
 from pipeline.features.stream import StreamingFeaturizer, TerminalOp
+from pipeline.registry.artifact import LoadedModel
 
 
 class CountingFeed:
@@ -44,3 +60,140 @@ def test_the_feed_is_read_at_most_once_an_interval_and_what_it_brings_is_folded(
 def test_an_interval_of_zero_reads_before_every_batch():
     batches, feed, _ = batch_scorer(interval_ms=0)
     assert [batches.fold_feed() for _ in range(3)] == [(0, 1)] * 3 and len(feed.reads) == 3
+
+
+# -- what a batch writes for hostile input, with a real scorer ---------------------------------------------
+
+Record = namedtuple("Record", "topic partition offset key value timestamp")
+HOUR_US = 3_600_000_000
+MAGIC_AMOUNT = 666.0  # the faulty detector below fails on it: a fault nobody foresaw
+
+
+def tiny_scorer() -> Scorer:
+    n = len(FEATURE_NAMES)
+    torch.manual_seed(0)
+    detector = build_detector("lstm", {"num_features": n, "d_model": 8, "num_layers": 1, "dropout": 0.0})
+    return Scorer(LoadedModel(detector=detector, spec=FeatureSpec(mean=(0.0,) * n, std=(1.0,) * n)))
+
+
+def make_faulty(scorer: Scorer) -> None:
+    """The store's step fails AFTER it has stepped (the states are changed) when an event's log amount
+    feature is MAGIC_AMOUNT's: the rollback must undo the featurizer and the detector alike."""
+    step = scorer.store.step
+
+    def faulty(rows, x):
+        logits = step(rows, x)
+        if torch.isclose(x[:, 0].double(), torch.tensor(np.log1p(MAGIC_AMOUNT))).any():
+            raise IndexError("a fault nobody foresaw")
+        return logits
+
+    scorer.store.step = faulty
+
+
+class EmptyFeed:
+    def read(self, session):
+        return FeedRead()
+
+
+def hostile_batch_scorer(scorer: Scorer, **settings) -> BatchScorer:
+    cfg = load_serve_config(None, overrides={"topic_prefix": "p-", **settings}, env={})
+    batches = BatchScorer(
+        cfg, scorer, EmptyFeed(), "1", True, DormantStates(1_000), read_states=lambda wanted: {}
+    )
+    batches.session = b"me/1"
+    scorer.featurizer.terminal_journal = []  # as the service's terminal restore leaves it
+    return batches
+
+
+def tx_value(event_id: str, account: str, ts_us: int, amount: float = 10.0, terminal: str = "T1") -> bytes:
+    return encode_transaction(Transaction(event_id, account, ts_us, amount, terminal))
+
+
+def polled(values: list[tuple[bytes | None, bytes | None]], offsets: list[int] | None = None) -> dict:
+    tp = TopicPartition("p-transactions", 0)
+    offsets = range(len(values)) if offsets is None else offsets
+    return {
+        tp: [Record(tp.topic, 0, o, key, value, 0) for o, (key, value) in zip(offsets, values, strict=True)]
+    }
+
+
+def dead_letters(out) -> dict[int, str]:
+    return {
+        json.loads(value)["source_offset"]: json.loads(value)["reason"]
+        for topic, _, value, _ in out.records
+        if topic == "p-dead-letter"
+    }
+
+
+def test_hostile_records_become_dead_letters_with_their_reasons_and_the_rest_is_scored():
+    now = time.time_ns() // 1000
+    start = now - 10 * HOUR_US
+    batch = polled(
+        [
+            (b"A1", tx_value("E1", "A1", start)),
+            (b"A2", tx_value("E2", "A2", start + 1)),
+            (b"A9", tx_value("E3", "A1", start + 2)),  # key of another account
+            (None, tx_value("E4", "A1", start + 3)),  # no key
+            (b"A1", tx_value("E1", "A1", start + 4)),  # E1 again at another offset: a producer's retry
+            (b"A1", tx_value("E5", "A1", now + 2 * HOUR_US)),  # from the future
+            (b"A1", tx_value("E6", "A1", start + 5, amount=1e12)),  # above max_amount
+            (b"A1", b'{"event_id":' * 5_000),  # nested beyond any parser's patience
+            (b"\xff\xfe", None),  # a tombstone, with a key that is not UTF-8
+            (b"A2", tx_value("E7", "A2", start + 6)),
+        ]
+    )
+    out = hostile_batch_scorer(tiny_scorer()).score(batch)
+    reasons = dead_letters(out)
+    assert sorted(reasons) == [2, 3, 4, 5, 6, 7, 8]
+    assert "record key b'A9' is not the body's account_id 'A1'" in reasons[2]
+    assert "record key missing" in reasons[3]
+    assert "event_id 'E1' was applied already to account 'A1'" in reasons[4]
+    assert "in the future" in reasons[5] and "above max_amount" in reasons[6]
+    assert "JSON nested 5000 deep" in reasons[7] and "null value" in reasons[8]
+    scored = [json.loads(v)["event_id"] for t, _, v, _ in out.records if t == "p-scores"]
+    assert scored == ["E1", "E2", "E7"]
+    assert (out.scored, out.dead_lettered, out.replays_dropped, out.events) == (3, 7, 1, 10)
+    assert {k for t, k, _, _ in out.records if t == "p-account-state-changelog"} == {"A1", "A2"}
+
+
+def test_a_record_under_another_key_is_written_again_under_its_accounts_key_when_so_set():
+    now = time.time_ns() // 1000
+    value = tx_value("E1", "A1", now - HOUR_US)
+    out = hostile_batch_scorer(tiny_scorer(), key_mismatch="rekey").score(polled([(b"A9", value)]))
+    assert out.records == [("p-transactions", "A1", value, None)]  # to the partition A1's key picks
+    assert (out.rekeyed, out.scored, out.dead_lettered) == (1, 0, 0)
+    assert out.offsets  # the original's offset is consumed with the batch
+
+
+def test_carefully_the_event_that_fails_alone_is_dead_lettered_and_the_rest_goes_on_as_if_it_never_came():
+    now = time.time_ns() // 1000
+    start = now - 10 * HOUR_US
+    events = [("E1", "A1", 10.0), ("E2", "A2", 20.0), ("E3", "A1", MAGIC_AMOUNT), ("E4", "A1", 30.0)]
+    events += [("E5", "A3", MAGIC_AMOUNT), ("E6", "A2", 40.0)]
+    values = [(a.encode(), tx_value(e, a, start + i, m)) for i, (e, a, m) in enumerate(events)]
+
+    faulty = tiny_scorer()
+    make_faulty(faulty)
+    with pytest.raises(IndexError, match="nobody foresaw"):
+        hostile_batch_scorer(faulty).score(polled(values))  # the whole batch fails; the service rewinds
+
+    faulty = tiny_scorer()
+    make_faulty(faulty)
+    out = hostile_batch_scorer(faulty).score(polled(values), careful=True)
+    assert out.careful and dead_letters(out) == {
+        2: "scoring failed: IndexError('a fault nobody foresaw')",
+        4: "scoring failed: IndexError('a fault nobody foresaw')",
+    }
+    clean = tiny_scorer()  # never saw the two; one event at a time too (a batched step rounds otherwise)
+    kept = [i for i in range(len(values)) if i not in (2, 4)]
+    expected = hostile_batch_scorer(clean).score(polled([values[i] for i in kept], kept), careful=True)
+
+    def outputs(batch_out, topic):
+        return [(k, v) for t, k, v, _ in batch_out.records if t == topic]
+
+    assert outputs(out, "p-scores") == outputs(expected, "p-scores")
+    states = dict(outputs(out, "p-account-state-changelog"))  # the latest record of each account
+    assert states == dict(outputs(expected, "p-account-state-changelog"))
+    assert "A3" not in faulty.accounts_in_memory  # the failed event's new account is gone with it
+    assert faulty.featurizer.terminals.get_bytes("T1") == clean.featurizer.terminals.get_bytes("T1")
+    assert (out.scored, out.dead_lettered) == (4, 2)

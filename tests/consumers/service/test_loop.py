@@ -12,6 +12,7 @@ import threading
 from collections import namedtuple
 from types import SimpleNamespace
 
+import pytest
 from kafka.errors import CommitFailedError, KafkaConnectionError, ProducerFencedError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
@@ -138,9 +139,9 @@ def scripted_loop(polls, commits=()):
     service.assigned = {0, 1}
     rewinds = []
 
-    def score(batch):
-        producer.log.append("scored " + events(batch))
-        out = ScoredBatch(batch, events=sum(map(len, batch.values())))
+    def score(batch, careful=False):
+        producer.log.append(("carefully scored " if careful else "scored ") + events(batch))
+        out = ScoredBatch(batch, events=sum(map(len, batch.values())), careful=careful)
         for tp, rs in batch.items():
             out.records += [("scores", None, f"{r.partition}:{r.offset}", None) for r in rs]
             out.offsets[tp] = OffsetAndMetadata(rs[-1].offset + 1, "", -1)
@@ -198,7 +199,7 @@ def test_a_batch_is_scored_while_the_previous_one_commits_and_sent_only_after_it
         commits=[slow_commit],
     )
     score = service.batches.score
-    service.batches.score = lambda batch: (score(batch), batch.get(P1) and second_scored.set())[0]
+    service.batches.score = lambda batch, careful: (score(batch), batch.get(P1) and second_scored.set())[0]
     service.run(stop)
     assert overlapped == [True]  # the commit was still running when the next batch had been scored
     assert log == [
@@ -294,3 +295,43 @@ def test_the_terminal_table_writer_runs_where_transactions_partition_0_is():
     assert writer.running
     service.on_revoked([tp(0), tp(1)])
     assert writer.log == ["start", "stop"] and not writer.running
+
+
+def test_a_batch_that_fails_in_scoring_is_read_again_one_event_at_a_time_and_goes_on():
+    # A record nobody foresaw makes scoring fail: the batch is rewound, read again carefully (the batch
+    # scorer then dead-letters the failing event alone), committed, and the service goes on, never looping.
+    polls = [
+        ({P0: records(0, 1, 2, 3)}, None),
+        ({P0: records(0, 1, 2)}, None),
+        ({P0: records(0, 3, 4)}, None),
+    ]
+    polls += [({P0: records(0, 5)}, None)]
+    service, log, rewinds, stop = scripted_loop(polls)
+    score = service.batches.score
+    failures = iter([ValueError("a fault nobody foresaw")])
+
+    def failing_once(batch, careful=False):
+        if not careful and (error := next(failures, None)) is not None:
+            raise error
+        return score(batch, careful)
+
+    service.batches.score = failing_once
+    service.run(stop)
+    assert log[:2] == ["rewound 0:1 0:2 0:3", "carefully scored 0:1 0:2"]
+    assert "carefully scored 0:3 0:4" in log  # 0:3 was in the failed batch: still careful
+    assert "scored 0:5" in log and "carefully scored 0:5" not in log  # past it: batches again
+    assert service.suspect == {} and service.failures == 0 and service.stats.events_scored == 5
+    assert len(rewinds) == 1 and service.stats.aborted_batches == 1 and service.stats.careful_batches == 2
+
+
+def test_a_failure_while_scoring_carefully_is_not_the_inputs_and_counts_towards_stopping():
+    polls = [({P0: records(0, 1)}, None)] * 4
+    service, _, _, stop = scripted_loop(polls)
+
+    def always(batch, careful=False):
+        raise OSError("the changelog cannot be read")
+
+    service.batches.score = always
+    with pytest.raises(RuntimeError, match="3 batches in a row failed"):
+        service.run(stop)
+    assert service.suspect == {0: 1}

@@ -50,6 +50,15 @@ def test_a_delta_of_another_version_is_refused_and_garbage_is_a_message_error_to
         b"nope": "bad magic",
         terminal_table.pack_header(b"TXD1") + b"{not json": r"deltas\[0\]@3 does not decode",
         terminal_table.pack_header(b"TXD1") + b'[["a","b"],[1]]': r"deltas\[0\]@3 has 2 terminals",
+        terminal_table.pack_header(b"TXD1") + b"[" * 5000: r"deltas\[0\]@3 does not decode",
+        terminal_table.pack_header(b"TXD1") + b'[["a"],[1e999]]': r"deltas\[0\]@3 does not decode",
+        terminal_table.pack_header(b"TXD1")
+        + b'[["a"],['
+        + b"9" * 30
+        + b"]]": r"deltas\[0\]@3 does not decode",
+        terminal_table.pack_header(b"TXD1") + b'[["\\ud800"],[1]]': "not a printable string",
+        terminal_table.pack_header(b"TXD1") + b'[[{"a":1}],[1]]': "not a printable string",
+        terminal_table.pack_header(b"TXD1") + b'[["a"],[2000000]]': r"days 2000000\.\.2000000, outside",
     }
     for value, reason in garbage.items():
         with pytest.raises(MessageError, match=reason):

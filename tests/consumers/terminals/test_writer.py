@@ -3,15 +3,16 @@ last, the positions (a table read ends on them: consumers/terminals/table.py). T
 stand-in; the writer against the real broker: tests/integration/test_service_labels.py."""
 
 import json
+import time
 from collections import namedtuple
 
 import numpy as np
 
 from consumers.runtime.metrics import Metrics
 from consumers.runtime.settings import load_serve_config
-from consumers.scoring.messages import MessageError
+from consumers.scoring.messages import Label, MessageError, MessageLimits, encode_label
 from consumers.terminals import writer as terminal_writer
-from consumers.terminals.feed import FeedRead
+from consumers.terminals.feed import FeedRead, FeedReader
 from consumers.terminals.table import POSITIONS_KEY, Positions, decode_positions
 from consumers.terminals.writer import TerminalTableWriter
 from pipeline.features.stream import StreamingFeaturizer, TerminalOp
@@ -89,3 +90,67 @@ def test_a_big_flush_pauses_between_chunks_in_its_one_transaction_unless_stoppin
     producer.log.clear()
     writer._flush(producer, featurizer, changed, [], Positions(), paced=False)  # stopping: at once
     assert ("pause",) not in producer.log
+
+
+# -- the labels path keeps the service's promises ----------------------------------------------------------
+
+
+class StandInConsumer:
+    def partitions_for_topic(self, topic):
+        return {0}
+
+    def assign(self, tps):
+        pass
+
+
+def label_record(offset: int, value: bytes | None) -> Record:
+    return Record("p-labels", 0, offset, b"A1", value)
+
+
+def test_hostile_labels_are_set_aside_with_their_reasons_and_never_raise():
+    feed = FeedReader(StandInConsumer(), None, "p-labels", "p-terminal-deltas", 1.0, MessageLimits())
+    now_us = int(time.time() * 1e6)
+    good = Label("E1", "A1", "T1", True, now_us - 3_600_000_000)
+    records = [
+        label_record(0, encode_label(good)),
+        label_record(1, b"[" * 10_000),  # RecursionError in the parser, once
+        label_record(2, encode_label(Label("E2", "A1", "T\ud800", True, now_us))),
+        label_record(3, encode_label(Label("E3", "A1", "T1", True, now_us + 10 * 3_600_000_000))),  # future
+        label_record(
+            4, b'{"event_id":"E4","account_id":"A1","terminal_id":"T1","is_fraud":1e999,"label_ts":0}'
+        ),
+        label_record(5, None),
+    ]
+    out = FeedRead()
+    feed._labels(records, out, now_us)
+    assert out.labels == [good] and out.label_records == [records[0]]
+    reasons = {record.offset: str(error) for record, error in out.bad}
+    assert sorted(reasons) == [1, 2, 3, 4, 5]
+    assert "nested 10000 deep" in reasons[1] and "lone surrogate" in reasons[2]
+    assert "in the future" in reasons[3] and "'is_fraud': expected true or false" in reasons[4]
+
+
+def test_a_label_whose_fold_fails_is_rolled_back_and_set_aside_and_the_others_are_folded(caplog):
+    featurizer, clean = StreamingFeaturizer(), StreamingFeaturizer()
+    featurizer.terminal_journal = []
+    fold = featurizer._fold_terminal_reports
+
+    def faulty(terminals, slots, days):
+        fold(terminals, slots, days)  # changes the state, then fails: the rollback must undo it
+        if "poison" in terminals:
+            raise IndexError("a fault nobody foresaw")
+
+    featurizer._fold_terminal_reports = faulty
+    labels = [Label(f"E{i}", "A1", t, True, 5 * 86_400_000_000) for i, t in enumerate(["T1", "poison", "T2"])]
+    records = [label_record(i, b"...") for i in range(3)]
+    delta = TerminalOp("events", ["T1", "poison"], np.array([5, 5]))
+    got = FeedRead(labels=list(labels), label_records=records, deltas=[delta], delta_records=[None])
+    got.fold_into(featurizer)
+    assert [label.terminal_id for label in got.labels] == ["T1", "T2"]
+    assert [(record.offset, str(error)) for record, error in got.bad] == [
+        (1, "folding this label failed: IndexError('a fault nobody foresaw')")
+    ]
+    FeedRead(labels=[labels[0], labels[2]], deltas=[delta]).fold_into(clean)
+    for terminal in ("T1", "T2", "poison"):
+        assert featurizer.terminals.get_bytes(terminal) == clean.terminals.get_bytes(terminal), terminal
+    assert "folding them one at a time" in caplog.text

@@ -19,6 +19,7 @@ from pipeline.features import (
 )
 from pipeline.features.batch_reference import raw_aggregates_reference
 from pipeline.features.definitions import DAY_US, RAW_FIELDS, derive_features, feature_matrix
+from pipeline.features.stream import grouped_cumsum
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday
 
@@ -331,3 +332,82 @@ def test_state_written_in_a_batch_that_grows_the_tables_is_not_lost():
     assert reported["report_count"].sum() == 1
     raw = featurizer.raw_aggregates(EventBatch(["b"], ["t0"], np.array([DAY_US + 9]), np.array([3.0])))
     assert raw["terminal_count_1d"].tolist() == [2]
+
+
+# -- one account's input never reaches another's features ------------------------------------------
+
+
+def test_grouped_running_sums_add_each_groups_own_values_only():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 40, size=60)
+    groups = np.repeat(np.arange(len(lengths)), lengths)
+    first = np.r_[True, groups[1:] != groups[:-1]]
+    values = rng.lognormal(3.0, 2.0, size=len(groups))
+    sums = grouped_cumsum(values, first)
+    for g in range(len(lengths)):
+        mine = groups == g
+        np.testing.assert_allclose(sums[mine], np.cumsum(values[mine]), rtol=1e-12)
+        alone = grouped_cumsum(values[mine], first[mine])  # the group alone, at another place
+        np.testing.assert_array_equal(sums[mine], alone)
+    extreme = np.where(groups == 7, 1e308, values)  # one group overflows to inf ...
+    with np.errstate(over="ignore"):
+        poisoned = grouped_cumsum(extreme, first)
+    assert np.isinf(poisoned[groups == 7]).any()
+    np.testing.assert_array_equal(poisoned[groups != 7], sums[groups != 7])  # ... and no other group sees it
+
+
+def stream_features(frame: pl.DataFrame, batch_events: int) -> tuple[np.ndarray, StreamingFeaturizer]:
+    featurizer = StreamingFeaturizer()
+    parts = [featurizer.transform(e, labels)[0] for e, labels in replay_batches(frame, batch_events)]
+    return np.concatenate(parts), featurizer
+
+
+def test_one_accounts_extreme_amounts_leave_every_other_accounts_features_bit_for_bit(generated):
+    frame = generated.head(6_000)
+    chosen = frame["account_id"].value_counts(sort=True)["account_id"][0]
+    # The chosen account on a terminal of its own: terminal counts are shared by design, amounts are not.
+    extreme = frame.with_columns(
+        pl.when(pl.col("account_id") == chosen)
+        .then(pl.lit(1e15))
+        .otherwise(pl.col("amount"))
+        .alias("amount"),
+        pl.when(pl.col("account_id") == chosen)
+        .then(pl.lit("own"))
+        .otherwise(pl.col("terminal_id"))
+        .alias("terminal_id"),
+    )
+    normal = extreme.with_columns(
+        pl.when(pl.col("account_id") == chosen).then(pl.lit(1.0)).otherwise(pl.col("amount")).alias("amount")
+    )
+    others = (frame["account_id"] != chosen).to_numpy()
+    got, _ = stream_features(extreme, 500)
+    expected, _ = stream_features(normal, 500)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[others], expected[others])
+
+
+def test_an_event_whose_features_are_not_finite_is_left_out_and_changes_no_state():
+    ts = T0.timestamp() * 1e6 + np.arange(6) * 1e6
+    batch = EventBatch(
+        ["a", "x", "a", "x", "a", "b"],
+        ["t1", "tx", "t1", "tx", "t2", "t1"],
+        ts.astype(np.int64),
+        np.array([5.0, 1e308, 7.0, 1e308, 2.0, 3.0]),  # x's second event: its 30-day sum is inf
+    )
+    featurizer = StreamingFeaturizer()
+    with np.errstate(over="ignore", invalid="ignore"):
+        features, buckets, kept, left_out = featurizer.transform_finite(batch)
+    assert kept.tolist() == [0, 1, 2, 4, 5] and np.isfinite(features).all() and len(buckets) == 5
+    assert left_out == {
+        3: ["account_log_mean_amount_1d", "account_log_mean_amount_7d", "account_log_mean_amount_30d"]
+    }
+    # As if x's second event had never come: the same features and the same state, byte for byte.
+    without = StreamingFeaturizer()
+    alone = EventBatch(
+        [batch.account_ids[i] for i in kept],
+        [batch.terminal_ids[i] for i in kept],
+        batch.ts_us[kept],
+        batch.amounts[kept],
+    )
+    np.testing.assert_array_equal(features, without.transform(alone)[0])
+    assert featurizer.to_bytes() == without.to_bytes()
