@@ -45,6 +45,14 @@ class DetectorConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.type is float and isinstance(value, str):  # YAML 1.1 reads 5e-4 as a string
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise ValueError(
+                        f"{type(self).__name__}.{field.name} = {value!r}: expected a number"
+                    ) from None
+                object.__setattr__(self, field.name, value)
             if field.type is int and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected an integer >= 1")
         if not 0.0 <= self.dropout < 1.0:

@@ -73,7 +73,20 @@ def _coerce(name: str, value: Any) -> Any:
         return Path(value)
     if name in ("train_period", "test_period") and isinstance(value, str):
         return Period.parse(value)
+    if name in _FLOAT_SETTINGS and isinstance(value, str):
+        return _as_float(f"train setting {name}", value)
     return value
+
+
+def _as_float(what: str, value: str) -> float:
+    """A number written as text: YAML 1.1 reads 5e-4 (no dot) as a string, not a float."""
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{what} = {value!r}: expected a number, e.g. 0.0005 or 5e-4") from None
+
+
+_FLOAT_SETTINGS = {f.name for f in dataclasses.fields(TrainConfig) if f.type in (float, float | None)}
 
 
 def _set_dotted(values: dict[str, Any], key: str, value: Any) -> None:

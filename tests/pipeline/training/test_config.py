@@ -38,3 +38,14 @@ def test_an_unknown_key_in_a_file_is_named_with_the_file(tmp_path):
     path.write_text("max_epochs: 3\nmax_epoch: 4\n")  # one letter short
     with pytest.raises(ValueError, match=r"unknown train setting\(s\) \['max_epoch'\] in .*profile\.yaml"):
         load_train_config(tmp_path, path)
+
+
+def test_numbers_written_with_an_exponent_are_numbers(tmp_path):
+    # YAML 1.1 reads 5e-4 (no dot) as a string; a typed setting takes it as the number it is.
+    cfg = load_train_config(tmp_path, overrides=["learning_rate=5e-4", "model_config.input_clip=1e3"])
+    assert cfg.learning_rate == 0.0005
+    assert config_class("lstm")(**cfg.model_config).input_clip == 1000.0
+    with pytest.raises(ValueError, match=r"train setting learning_rate = 'fast': expected a number"):
+        load_train_config(tmp_path, overrides=["learning_rate=fast"])
+    with pytest.raises(ValueError, match=r"LSTMConfig.input_clip = 'wide': expected a number"):
+        config_class("lstm")(input_clip="wide")
