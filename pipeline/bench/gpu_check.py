@@ -17,12 +17,16 @@ import time
 from contextlib import contextmanager
 
 import numpy as np
+import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import Callback
 
 from models.contract import RecurrentDetector
 from models.parity import forward_in_chunks, random_events, step_vs_forward_error
 from models.registry import REGISTRY, build_detector
+from pipeline.training.datamodule import HistoryDataModule, Window
 from pipeline.training.diagnostics import step_cost_us_per_event
+from pipeline.training.module import DetectorModule
 from pipeline.training.sequences import AccountSequences
 
 NUM_FEATURES = 26
@@ -77,12 +81,6 @@ def train_throughput(
     name: str, device: str, accounts: int, events: int, chunk: int, steps: int
 ) -> tuple[float, float]:
     """(sequences/s, events/s) of `steps` Lightning training steps, after 3 warm-up steps."""
-    import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import Callback
-
-    from pipeline.training.datamodule import HistoryDataModule, Window
-    from pipeline.training.module import DetectorModule
-
     seqs = _synthetic_sequences(accounts, events)
     everything = Window(0, int(seqs.ts_us.max()) + 1)
     data = HistoryDataModule(
