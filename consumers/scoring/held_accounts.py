@@ -17,7 +17,7 @@ import torch
 
 from consumers.scoring.account_state import decode_account_record, encode_account_records
 from models.state_codec import decode_account_state, encode_state_rows
-from pipeline.features.stream import FeaturizerCheckpoint
+from pipeline.features.stream_batches import FeaturizerCheckpoint
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,6 @@ taken before (checkpoint, rollback).
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import polars as pl
@@ -41,63 +39,13 @@ import torch
 from consumers.scoring.account_state import RECENT_EVENT_IDS, event_id_hash, model_fingerprint
 from consumers.scoring.held_accounts import HeldAccounts
 from consumers.scoring.messages import Transaction
+from consumers.scoring.results import Rejected, Scored, ScoredArrays, ScoreRecord, ScorerStats
 from consumers.scoring.state_store import StateStore, rounds_of
-from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, replay_batches
+from pipeline.features.stream import StreamingFeaturizer
+from pipeline.features.stream_batches import EventBatch, LabelBatch, replay_batches, take_events
 from pipeline.registry.artifact import LoadedModel
 
 DEFAULT_THRESHOLD = 0.5  # on the probability, when neither the caller nor the model's meta gives one
-
-
-@dataclass(frozen=True, slots=True)
-class ScoreRecord:
-    event_id: str
-    account_id: str
-    ts_us: int
-    score: float  # sigmoid(logit): the probability of fraud
-    logit: float
-    alert: bool  # score >= the scorer's threshold
-    out_of_order: bool  # ts older than the newest ts this account had already seen
-    position: tuple[int, int] | None = None  # (partition, offset) in the source topic
-
-
-class Rejected(NamedTuple):
-    """An event not applied, and why (the dead-letter reason)."""
-
-    index: int  # in the micro-batch given
-    reason: str
-    replay: bool  # its event_id was applied already (else: its features are not finite)
-
-
-@dataclass(frozen=True)
-class Scored:
-    records: list[ScoreRecord]  # one per applied event, in input order
-    rejected: list[Rejected]  # in input order
-
-
-@dataclass
-class ScorerStats:
-    """Running totals since the scorer started (for logs and the service's metrics)."""
-
-    batches: int = 0
-    events_in: int = 0
-    events_applied: int = 0
-    duplicates_dropped: int = 0
-    replays_dropped: int = 0  # an event_id its account had applied already, at another offset
-    not_finite: int = 0  # events whose feature row was not finite
-    out_of_order: int = 0
-    featurize_s: float = 0.0  # streaming featurizer
-    detector_s: float = 0.0  # gather, step and scatter, all rounds
-    total_s: float = 0.0  # the whole micro-batch: the rest is dedup, normalisation and bookkeeping
-
-
-class _Scored(NamedTuple):
-    # One micro-batch's results over its applied events (all [M], in arrival order).
-    applied: np.ndarray  # index of each applied event in the input
-    logit: np.ndarray  # float64
-    score: np.ndarray  # float64
-    alert: np.ndarray  # bool
-    out_of_order: np.ndarray  # bool
-    rejected: list[Rejected]
 
 
 class Scorer(HeldAccounts):
@@ -225,7 +173,7 @@ class Scorer(HeldAccounts):
         event_ids: Sequence[str] | None,
         pos: np.ndarray | None,
         labels: LabelBatch | None,
-    ) -> _Scored:
+    ) -> ScoredArrays:
         started = time.perf_counter()
         n = len(events.ts_us)
         rows = self.store.rows(events.account_ids)  # [N]; new accounts start from init_state
@@ -255,7 +203,7 @@ class Scorer(HeldAccounts):
         late = np.empty(0, dtype=bool)
         if len(applied):
             t = time.perf_counter()
-            part = _subset(events, applied)
+            part = take_events(events, applied)
             # [M, F] float64, [M] int64; events whose row is not finite are left out, changing no state
             features, buckets, kept, left_out = self.featurizer.transform_finite(part, labels)
             self.stats.featurize_s += time.perf_counter() - t
@@ -293,7 +241,7 @@ class Scorer(HeldAccounts):
             for row, (partition, offset) in last_position.items():
                 self.store.partition[row], self.store.offset[row] = partition, offset
         rejected.sort()
-        out = _Scored(applied, logit, score, score >= self.threshold, late, rejected)
+        out = ScoredArrays(applied, logit, score, score >= self.threshold, late, rejected)
         m = len(applied)
         self.stats.batches += 1
         self.stats.events_in += n
@@ -397,18 +345,6 @@ class Scorer(HeldAccounts):
             pl.Series("alert", score >= self.threshold),
             *([ordered["is_fraud"]] if "is_fraud" in ordered.columns else []),
         )
-
-
-def _subset(events: EventBatch, index: np.ndarray) -> EventBatch:
-    if len(index) == len(events.ts_us):
-        return events
-    picked = index.tolist()
-    return EventBatch(
-        [events.account_ids[i] for i in picked],
-        [events.terminal_ids[i] for i in picked],
-        events.ts_us[index],
-        events.amounts[index],
-    )
 
 
 def _sigmoid(logit: np.ndarray) -> np.ndarray:

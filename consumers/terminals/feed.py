@@ -24,7 +24,8 @@ from consumers.runtime.compacted import Reader, group_less_consumer
 from consumers.scoring.messages import Label, MessageError, MessageLimits, decode_label
 from consumers.terminals.deltas import decode_deltas
 from consumers.terminals.table import Positions, read_table
-from pipeline.features.stream import LabelBatch, StreamingFeaturizer, TerminalOp
+from pipeline.features.stream import StreamingFeaturizer
+from pipeline.features.stream_batches import LabelBatch, TerminalOp
 
 log = logging.getLogger(__name__)
 

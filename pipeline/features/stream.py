@@ -21,14 +21,12 @@ service relies on it to merge other instances' terminal counts (consumers/termin
 
 Labels are applied at their label_ts: a fraud label given with a batch counts for the events of that batch
 with ts >= label_ts and for every later batch. So a caller must not pass a label whose label_ts is later than
-events of later batches (`replay_batches` splits a history that way).
+events of later batches (`stream_batches.replay_batches` splits a history that way).
 """
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
-import polars as pl
 
 from pipeline.features.definitions import (
     DAY_US,
@@ -48,48 +46,16 @@ from pipeline.features.state import (
     encode_tables,
     ring_window_sums,
 )
+from pipeline.features.stream_batches import (
+    EventBatch,
+    FeaturizerCheckpoint,
+    LabelBatch,
+    TerminalOp,
+    take_events,
+)
 
 _DAY_SPAN = 1 << 20  # composite key = code * _DAY_SPAN + day; epoch days stay far below 2**20
 MAX_EPOCH_DAY = _DAY_SPAN - 1  # the last day (in 4840) a composite key holds: callers keep days within
-
-
-@dataclass(frozen=True)
-class EventBatch:
-    """A micro-batch of events in arrival order (all [N])."""
-
-    account_ids: Sequence[str]
-    terminal_ids: Sequence[str]
-    ts_us: np.ndarray  # int64 microseconds since the epoch, UTC
-    amounts: np.ndarray  # float64
-
-
-@dataclass(frozen=True)
-class TerminalOp:
-    """One change to terminal state, as journaled: events counted at their terminals on their effective
-    days ("events"), or fraud reports on their label days ("reports"); terminals and days [K]."""
-
-    kind: str
-    terminals: list[str]
-    days: np.ndarray
-
-
-@dataclass(frozen=True)
-class FeaturizerCheckpoint:
-    """Some accounts' and terminals' records as they were ({key: bytes, None: not held}), and how long the
-    terminal journal was: what rollback puts back."""
-
-    accounts: dict[str, bytes | None]
-    terminals: dict[str, bytes | None]
-    journal_length: int | None
-
-
-@dataclass(frozen=True)
-class LabelBatch:
-    """Label events (all [L]); only fraud labels change state."""
-
-    terminal_ids: Sequence[str]
-    label_ts_us: np.ndarray
-    is_fraud: np.ndarray
 
 
 def _entity_batch(table: StateTable, keys: Sequence[str], days: np.ndarray):
@@ -218,7 +184,7 @@ class StreamingFeaturizer:
             for row in np.flatnonzero(~finite.all(axis=1)).tolist():
                 left_out[int(kept[row])] = [FEATURE_NAMES[f] for f in np.flatnonzero(~finite[row]).tolist()]
             kept = kept[finite.all(axis=1)]
-            part = _take(events, kept)
+            part = take_events(events, kept)
 
     def raw_aggregates(self, events: EventBatch, labels: LabelBatch | None = None) -> dict[str, np.ndarray]:
         raw, _, fold = self._read(events, labels)
@@ -412,49 +378,3 @@ class StreamingFeaturizer:
             name: np.bincount(inverse, weights=v, minlength=len(unique_key)) for name, v in values.items()
         }
         add_to_ring(rec, unique_key // _DAY_SPAN, unique_key % _DAY_SPAN, totals, day_field)
-
-
-def _take(events: EventBatch, index: np.ndarray) -> EventBatch:
-    """The events at `index` [M], in that order."""
-    picked = index.tolist()
-    return EventBatch(
-        [events.account_ids[i] for i in picked],
-        [events.terminal_ids[i] for i in picked],
-        np.asarray(events.ts_us)[index],
-        np.asarray(events.amounts)[index],
-    )
-
-
-def replay_batches(
-    frame: pl.DataFrame, batch_events: int = 500
-) -> Iterator[tuple[EventBatch, LabelBatch | None]]:
-    """Split a dataset (canonical columns, any order) into time-ordered micro-batches with their labels.
-
-    Each fraud label travels with the first batch whose last event has ts >= label_ts, so it is known to
-    exactly the events with ts >= label_ts — the batch form's definition.
-    """
-    frame = frame.sort("ts", "event_id")
-    ts_us = frame["ts"].dt.epoch("us").to_numpy()
-    accounts = frame["account_id"].to_list()
-    terminals = frame["terminal_id"].to_list()
-    amounts = frame["amount"].to_numpy()
-    labelled = "is_fraud" in frame.columns and "label_ts" in frame.columns
-    if labelled:
-        fraud = frame.filter(pl.col("is_fraud") & pl.col("label_ts").is_not_null()).sort("label_ts")
-        label_us = fraud["label_ts"].dt.epoch("us").to_numpy()
-        label_terminals = fraud["terminal_id"].to_list()
-    cursor = 0
-    for start in range(0, len(ts_us), batch_events):
-        stop = min(start + batch_events, len(ts_us))
-        labels = None
-        if labelled:
-            end = int(np.searchsorted(label_us, ts_us[stop - 1], side="right"))
-            if end > cursor:
-                labels = LabelBatch(
-                    label_terminals[cursor:end], label_us[cursor:end], np.ones(end - cursor, bool)
-                )
-            cursor = end
-        yield (
-            EventBatch(accounts[start:stop], terminals[start:stop], ts_us[start:stop], amounts[start:stop]),
-            labels,
-        )

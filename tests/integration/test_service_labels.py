@@ -34,7 +34,8 @@ from consumers.terminals.deltas import decode_deltas
 from consumers.terminals.feed import label_batch
 from consumers.terminals.table import pack_header, read_table
 from pipeline.data.generate import GenerateConfig, generate
-from pipeline.features.stream import EventBatch, StreamingFeaturizer, replay_batches
+from pipeline.features.stream import StreamingFeaturizer
+from pipeline.features.stream_batches import EventBatch, replay_batches
 from pipeline.registry.tracking import load_model
 from tests.integration import test_service
 from tests.integration.service_helpers import (

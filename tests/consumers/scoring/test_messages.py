@@ -88,7 +88,7 @@ def test_label_needs_a_boolean_verdict():
 
 
 def test_fast_score_encoding_equals_the_json_dumps_reference_byte_for_byte():
-    from consumers.scoring.scorer import ScoreRecord
+    from consumers.scoring.results import ScoreRecord
 
     awkward_ids = ["plain", 'quote " and \\ backslash', "ünïcödé €", "tab\tnew\nline", "\x00nul"]
     stamps = [946_684_800_000_000, 1_772_366_400_250_000, 4_102_444_799_999_999, 1_772_366_400_000_001]

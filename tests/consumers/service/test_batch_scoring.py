@@ -25,7 +25,8 @@ from consumers.terminals.feed import FeedRead
 from models.registry import build_detector
 from pipeline.features.definitions import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
-from pipeline.features.stream import StreamingFeaturizer, TerminalOp
+from pipeline.features.stream import StreamingFeaturizer
+from pipeline.features.stream_batches import TerminalOp
 from pipeline.registry.artifact import LoadedModel
 
 

@@ -12,7 +12,8 @@ from consumers.terminals import table as terminal_table
 from consumers.terminals.table import POSITIONS_KEY, Positions
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features.state import TERMINAL_STATE, StateTable
-from pipeline.features.stream import EventBatch, LabelBatch, StreamingFeaturizer, TerminalOp, replay_batches
+from pipeline.features.stream import StreamingFeaturizer
+from pipeline.features.stream_batches import EventBatch, LabelBatch, TerminalOp, replay_batches
 
 
 def featurizer_with_two_terminals() -> StreamingFeaturizer:

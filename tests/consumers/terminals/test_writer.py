@@ -15,7 +15,8 @@ from consumers.terminals import writer as terminal_writer
 from consumers.terminals.feed import FeedRead, FeedReader
 from consumers.terminals.table import POSITIONS_KEY, Positions, decode_positions
 from consumers.terminals.writer import TerminalTableWriter
-from pipeline.features.stream import StreamingFeaturizer, TerminalOp
+from pipeline.features.stream import StreamingFeaturizer
+from pipeline.features.stream_batches import TerminalOp
 
 Record = namedtuple("Record", "topic partition offset key value")
 

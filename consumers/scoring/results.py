@@ -1,0 +1,59 @@
+"""What a Scorer gives back: a record per scored event, the events it rejected and why, its running totals."""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRecord:
+    event_id: str
+    account_id: str
+    ts_us: int
+    score: float  # sigmoid(logit): the probability of fraud
+    logit: float
+    alert: bool  # score >= the scorer's threshold
+    out_of_order: bool  # ts older than the newest ts this account had already seen
+    position: tuple[int, int] | None = None  # (partition, offset) in the source topic
+
+
+class Rejected(NamedTuple):
+    """An event not applied, and why (the dead-letter reason)."""
+
+    index: int  # in the micro-batch given
+    reason: str
+    replay: bool  # its event_id was applied already (else: its features are not finite)
+
+
+@dataclass(frozen=True)
+class Scored:
+    records: list[ScoreRecord]  # one per applied event, in input order
+    rejected: list[Rejected]  # in input order
+
+
+@dataclass
+class ScorerStats:
+    """Running totals since the scorer started (for logs and the service's metrics)."""
+
+    batches: int = 0
+    events_in: int = 0
+    events_applied: int = 0
+    duplicates_dropped: int = 0
+    replays_dropped: int = 0  # an event_id its account had applied already, at another offset
+    not_finite: int = 0  # events whose feature row was not finite
+    out_of_order: int = 0
+    featurize_s: float = 0.0  # streaming featurizer
+    detector_s: float = 0.0  # gather, step and scatter, all rounds
+    total_s: float = 0.0  # the whole micro-batch: the rest is dedup, normalisation and bookkeeping
+
+
+class ScoredArrays(NamedTuple):
+    """One micro-batch's results over its applied events (all [M], in arrival order): what Scored is made of."""
+
+    applied: np.ndarray  # index of each applied event in the input
+    logit: np.ndarray  # float64
+    score: np.ndarray  # float64
+    alert: np.ndarray  # bool
+    out_of_order: np.ndarray  # bool
+    rejected: list[Rejected]

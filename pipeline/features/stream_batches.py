@@ -1,0 +1,96 @@
+"""What the streaming featurizer takes and gives, batch by batch: events, labels, terminal changes and
+checkpoints (all plain arrays), and a dataset cut into time-ordered micro-batches with their labels.
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """A micro-batch of events in arrival order (all [N])."""
+
+    account_ids: Sequence[str]
+    terminal_ids: Sequence[str]
+    ts_us: np.ndarray  # int64 microseconds since the epoch, UTC
+    amounts: np.ndarray  # float64
+
+
+@dataclass(frozen=True)
+class TerminalOp:
+    """One change to terminal state, as journaled: events counted at their terminals on their effective
+    days ("events"), or fraud reports on their label days ("reports"); terminals and days [K]."""
+
+    kind: str
+    terminals: list[str]
+    days: np.ndarray
+
+
+@dataclass(frozen=True)
+class FeaturizerCheckpoint:
+    """Some accounts' and terminals' records as they were ({key: bytes, None: not held}), and how long the
+    terminal journal was: what rollback puts back."""
+
+    accounts: dict[str, bytes | None]
+    terminals: dict[str, bytes | None]
+    journal_length: int | None
+
+
+@dataclass(frozen=True)
+class LabelBatch:
+    """Label events (all [L]); only fraud labels change state."""
+
+    terminal_ids: Sequence[str]
+    label_ts_us: np.ndarray
+    is_fraud: np.ndarray
+
+
+def take_events(events: EventBatch, index: np.ndarray) -> EventBatch:
+    """The events at `index` [M] (increasing positions), in that order; all of them: the batch itself."""
+    if len(index) == len(events.ts_us):
+        return events
+    picked = index.tolist()
+    return EventBatch(
+        [events.account_ids[i] for i in picked],
+        [events.terminal_ids[i] for i in picked],
+        np.asarray(events.ts_us)[index],
+        np.asarray(events.amounts)[index],
+    )
+
+
+def replay_batches(
+    frame: pl.DataFrame, batch_events: int = 500
+) -> Iterator[tuple[EventBatch, LabelBatch | None]]:
+    """Split a dataset (canonical columns, any order) into time-ordered micro-batches with their labels.
+
+    Each fraud label travels with the first batch whose last event has ts >= label_ts, so it is known to
+    exactly the events with ts >= label_ts — the batch form's definition.
+    """
+    frame = frame.sort("ts", "event_id")
+    ts_us = frame["ts"].dt.epoch("us").to_numpy()
+    accounts = frame["account_id"].to_list()
+    terminals = frame["terminal_id"].to_list()
+    amounts = frame["amount"].to_numpy()
+    labelled = "is_fraud" in frame.columns and "label_ts" in frame.columns
+    if labelled:
+        fraud = frame.filter(pl.col("is_fraud") & pl.col("label_ts").is_not_null()).sort("label_ts")
+        label_us = fraud["label_ts"].dt.epoch("us").to_numpy()
+        label_terminals = fraud["terminal_id"].to_list()
+    cursor = 0
+    for start in range(0, len(ts_us), batch_events):
+        stop = min(start + batch_events, len(ts_us))
+        labels = None
+        if labelled:
+            end = int(np.searchsorted(label_us, ts_us[stop - 1], side="right"))
+            if end > cursor:
+                labels = LabelBatch(
+                    label_terminals[cursor:end], label_us[cursor:end], np.ones(end - cursor, bool)
+                )
+            cursor = end
+        yield (
+            EventBatch(accounts[start:stop], terminals[start:stop], ts_us[start:stop], amounts[start:stop]),
+            labels,
+        )
