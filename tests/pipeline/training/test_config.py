@@ -38,3 +38,10 @@ def test_an_unknown_key_in_a_file_is_named_with_the_file(tmp_path):
     path.write_text("max_epochs: 3\nmax_epoch: 4\n")  # one letter short
     with pytest.raises(ValueError, match=r"unknown train setting\(s\) \['max_epoch'\] in .*profile\.yaml"):
         load_train_config(tmp_path, path)
+
+
+@pytest.mark.parametrize("setting", ["devices=0", "num_nodes=0", "num_nodes=1.5"])
+def test_a_count_of_devices_or_machines_below_one_is_refused_with_its_name(setting, tmp_path):
+    name, _, value = setting.partition("=")
+    with pytest.raises(ValueError, match=rf"train config: {name} = {value}, expected an integer >= 1"):
+        load_train_config(tmp_path, None, [setting])
