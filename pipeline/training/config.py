@@ -47,7 +47,8 @@ class TrainConfig:
     early_stopping_patience: int = 3
 
     accelerator: str = "cpu"
-    devices: int = 1
+    devices: int = 1  # per machine; more than one in all (devices x num_nodes) trains with DDP
+    num_nodes: int = 1  # machines, each running the same command with its own NODE_RANK
     precision: str | None = None  # None: bf16-mixed on GPU, 32-true on CPU
     num_workers: int = 0
     seed: int = 0
@@ -60,7 +61,8 @@ class TrainConfig:
     progress_bar: bool = True
 
     def __post_init__(self):
-        for name in ("chunk_events", "batch_accounts", "max_epochs", "test_days", "validation_days", "cp_k"):
+        positive = ("chunk_events", "batch_accounts", "max_epochs", "test_days", "validation_days", "cp_k")
+        for name in (*positive, "devices", "num_nodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train config: {name} = {value!r}, expected an integer >= 1")

@@ -3,8 +3,14 @@
 A pass over the data is a list of account *groups* (B accounts of similar length, so little padding) and,
 for each group, its chunks in time order: batch (g, 0), (g, 1), ... The LightningModule carries the
 detector's state from chunk c to c + 1 of the same group (truncated BPTT) and starts a fresh state at c = 0.
-Groups are shuffled per epoch; chunks never are. With DDP each rank takes every world-th group, so Lightning's
-own distributed sampler (which would reorder chunks) is switched off.
+Groups are shuffled per epoch; chunks never are.
+
+With DDP over W ranks the groups go in *rounds* of W consecutive groups of the length-sorted list; rank r takes
+member r of each round. Rounds are what is shuffled, and a round runs as many chunks as its longest member
+needs, so every rank takes the same number of steps (a rank whose member is shorter, or missing in the last
+round, gets padding batches that count nothing). Round k is then the k-th group of one process with W times
+the accounts per batch: same order, same chunks. Lightning's own distributed sampler (which would reorder
+chunks) is switched off.
 
 Each pass feeds an account's events up to `end` (history before the loss window feeds the state) and marks
 the events in [`window_start`, `end`) for the loss or the metrics.
@@ -61,7 +67,10 @@ class ChunkedHistories(Dataset):
         accounts = np.flatnonzero(counted > 0)
         accounts = accounts[np.argsort(-fed[accounts], kind="stable")]
         groups = [accounts[i : i + batch_accounts] for i in range(0, len(accounts), batch_accounts)]
-        self.groups = groups[rank::world_size]
+        rounds = [groups[i : i + world_size] for i in range(0, len(groups), world_size)]
+        # This rank's member of each round (None: the last round is short of one) and the round's chunks.
+        self.groups = [members[rank] if rank < len(members) else None for members in rounds]
+        self.round_chunks = [-(-int(fed[members[0]].max()) // chunk_events) for members in rounds]
         self.counted_events = int(counted[accounts].sum())
         self.set_epoch(0)
 
@@ -69,9 +78,7 @@ class ChunkedHistories(Dataset):
         order = np.arange(len(self.groups))
         if self.shuffle:
             np.random.default_rng(self.seed + epoch).shuffle(order)
-        self.items = [
-            (int(g), c) for g in order for c in range(-(-int(self.fed[self.groups[g]].max()) // self.chunk))
-        ]
+        self.items = [(int(g), c) for g in order for c in range(self.round_chunks[g])]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -79,10 +86,16 @@ class ChunkedHistories(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         g, c = self.items[i]
         accounts = self.groups[g]
+        if accounts is None:
+            # A missing member: one account that feeds nothing. The step still runs the detector (DDP wants
+            # every rank's graph) but counts nothing.
+            accounts, fed = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        else:
+            fed = self.fed[accounts]
         seqs, T = self.seqs, self.chunk
         B, F = len(accounts), seqs.x.shape[1]
         start = seqs.offsets[accounts] + c * T  # [B] first row of this chunk
-        stop = seqs.offsets[accounts] + self.fed[accounts]  # [B] end of the fed rows
+        stop = seqs.offsets[accounts] + fed  # [B] end of the fed rows
         lengths = np.clip(stop - start, 0, T)
         steps = np.arange(T)
         rows = np.where(steps[None, :] < lengths[:, None], start[:, None] + steps[None, :], -1)  # [B, T]

@@ -5,10 +5,13 @@ normalisation on the training period, trains with Lightning (chunked histories, 
 the Handbook protocol over full histories, and logs everything to one MLflow run with a registered model.
 """
 
+import contextlib
 import logging
 import math
+import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from pytorch_lightning.loggers import MLFlowLogger
 
 from models.registry import REGISTRY, build_detector, config_class
 from pipeline.data.dataset import read_dataset
-from pipeline.data.splits import dataset_days
+from pipeline.data.splits import Period, Split, dataset_days
 from pipeline.evaluation.plots import log_evaluation
 from pipeline.evaluation.protocol import detection_metrics, scenario_metrics
 from pipeline.features import compute_features, fit_feature_spec
@@ -61,19 +64,22 @@ def _pos_weight(seqs: AccountSequences, window: Window, given: float | None) -> 
     return math.sqrt(legit / frauds)
 
 
-def _trainer(cfg: TrainConfig, logger: MLFlowLogger, checkpoint_dir: Path) -> pl_lightning.Trainer:
+def _trainer(cfg: TrainConfig) -> pl_lightning.Trainer:
+    """A Trainer that knows its global rank; rank 0 gives it the logger and the checkpoint directory."""
     on_gpu = cfg.accelerator in ("gpu", "cuda")
     precision = cfg.precision or ("bf16-mixed" if on_gpu else "32-true")
-    checkpoint = ModelCheckpoint(dirpath=checkpoint_dir, monitor="val/ap", mode="max", save_top_k=1)
+    # No dirpath yet: rank 0 sets it once its run exists, and Lightning hands it to the other ranks.
+    checkpoint = ModelCheckpoint(monitor="val/ap", mode="max", save_top_k=1)
     return pl_lightning.Trainer(
         max_epochs=cfg.max_epochs,
         accelerator=cfg.accelerator,
         devices=cfg.devices,
-        strategy="ddp" if cfg.devices > 1 else "auto",
+        num_nodes=cfg.num_nodes,
+        strategy="ddp" if cfg.devices * cfg.num_nodes > 1 else "auto",
         precision=precision,
         gradient_clip_val=cfg.gradient_clip,
         callbacks=[EarlyStopping("val/ap", mode="max", patience=cfg.early_stopping_patience), checkpoint],
-        logger=logger,
+        logger=False,
         use_distributed_sampler=False,  # chunks of a group must stay in order; the data module shards groups
         reload_dataloaders_every_n_epochs=1,  # a new group order every epoch
         enable_progress_bar=cfg.progress_bar,
@@ -81,6 +87,36 @@ def _trainer(cfg: TrainConfig, logger: MLFlowLogger, checkpoint_dir: Path) -> pl
         log_every_n_steps=10,
         deterministic=False,
     )
+
+
+@contextlib.contextmanager
+def _rank_zero_run(
+    trainer: pl_lightning.Trainer, cfg: TrainConfig, detector_config: dict, split: Split, validation: Period
+) -> Iterator[str]:
+    """Rank 0 opens the MLflow run, logs the settings and gives the trainer its logger and checkpoint directory;
+    under DDP the other ranks train, validate and test beside it and track nothing. Yields the run id ("" off
+    rank 0)."""
+    if not trainer.is_global_zero:
+        yield ""
+        return
+    tracking_uri = configure_tracking()
+    mlflow.set_experiment(cfg.experiment)
+    with mlflow.start_run(run_name=cfg.model) as run:
+        run_id = run.info.run_id
+        log_params(flatten(cfg, detector_config))
+        mlflow.log_params(
+            {
+                "split.train": str(split.train),
+                "split.validation": str(validation),
+                "split.test": str(split.test),
+            }
+        )
+        mlflow.set_tags({"model_family": "sequence", "detector": cfg.model})
+        trainer.logger = MLFlowLogger(
+            experiment_name=cfg.experiment, tracking_uri=tracking_uri, run_id=run_id
+        )
+        trainer.checkpoint_callback.dirpath = os.path.realpath(cfg.out_dir / run_id / "checkpoints")
+        yield run_id
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -130,21 +166,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         num_events={"val": len(train_seqs.x), "test": len(test_seqs.x)},
     )
 
-    tracking_uri = configure_tracking()
-    mlflow.set_experiment(cfg.experiment)
-    with mlflow.start_run(run_name=f"{cfg.model}") as run:
-        run_id = run.info.run_id
-        log_params(flatten(cfg, model_config.to_dict()))
-        mlflow.log_params(
-            {
-                "split.train": str(split.train),
-                "split.validation": str(validation),
-                "split.test": str(split.test),
-            }
-        )
-        mlflow.set_tags({"model_family": "sequence", "detector": cfg.model})
-        logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=tracking_uri, run_id=run_id)
-        trainer = _trainer(cfg, logger, cfg.out_dir / run_id / "checkpoints")
+    trainer = _trainer(cfg)
+    with _rank_zero_run(trainer, cfg, model_config.to_dict(), split, validation) as run_id:
         trainer.fit(module, datamodule=data)
         best = trainer.checkpoint_callback.best_model_path
         if best:

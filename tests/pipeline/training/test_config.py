@@ -49,3 +49,10 @@ def test_numbers_written_with_an_exponent_are_numbers(tmp_path):
         load_train_config(tmp_path, overrides=["learning_rate=fast"])
     with pytest.raises(ValueError, match=r"LSTMConfig.input_clip = 'wide': expected a number"):
         config_class("lstm")(input_clip="wide")
+
+
+@pytest.mark.parametrize("setting", ["devices=0", "num_nodes=0", "num_nodes=1.5"])
+def test_a_count_of_devices_or_machines_below_one_is_refused_with_its_name(setting, tmp_path):
+    name, _, value = setting.partition("=")
+    with pytest.raises(ValueError, match=rf"train config: {name} = {value}, expected an integer >= 1"):
+        load_train_config(tmp_path, None, [setting])
