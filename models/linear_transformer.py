@@ -31,7 +31,7 @@ from models.contract import DetectorConfig, RecurrentDetector, State, earlier_oc
 from models.encoder import EventEncoder, FeedForward, ScoreHead, dropout
 from models.linear_attention.parallel import linear_attention_parallel
 from models.linear_attention.recurrent import recurrent_step
-from models.linear_attention.state import LinearAttentionState
+from models.linear_attention.state import LinearAttentionState, update_shares
 
 PHI_FLOOR = 1e-6
 
@@ -96,7 +96,8 @@ class LinearAttentionBlock(nn.Module):
         return self._finish(h, att.transpose(1, 2)), final.s, final.z
 
     def step(self, h: Tensor, s_mean: Tensor, z_mean: Tensor, share: Tensor, out=None):
-        """h [B, d]; s_mean [B, H, D, D], z_mean [B, H, D]; share [B, 1, 1] = 1 / (events seen + 1).
+        """h [B, d]; s_mean [B, H, D, D], z_mean [B, H, D]; share [B, H, 1]: 1 / n_g counting this event
+        (linear_attention/state.py's update_shares).
 
         Returns the new h and means (written into `out`, a pair of tensors, when given; never the inputs).
         """
@@ -118,7 +119,7 @@ class LinearAttentionBlock(nn.Module):
         h [B, d], one event each; source and destination: (states {"s": [*, L, H, D, D], "z": [*, L, H,
         D]}, rows [B]): event b's means of this layer are read at source row b, the new ones written at
         destination row b (the same table and rows for an update in place, where a row may repeat: the
-        events then apply in order); share [B] = 1 / (events seen + 1). Returns the new h.
+        events then apply in order); share [B, H]: 1 / n_g counting this event. Returns the new h.
         """
         from models.linear_attention.fused import (
             fused_step_rows,  # numba loads only when a model serves on CPU
@@ -149,13 +150,19 @@ class LinearTransformerDetector(RecurrentDetector):
         self.blocks = nn.ModuleList(LinearAttentionBlock(config) for _ in range(config.num_layers))
         self.head = ScoreHead(config.d_model)
 
+    def _update_shares(self, seen: Tensor, dtype: torch.dtype) -> Tensor:
+        # [B, H]: 1 / n_g of each head after one more event, `seen` [B] the events before it; no head decays
+        undecayed = torch.ones(self.config.num_heads, dtype=torch.float64, device=seen.device)
+        return update_shares(seen, undecayed, dtype)
+
     def init_state(self, batch_size: int) -> State:
         c = self.config
         D = c.d_model // c.num_heads
         kwargs = {"dtype": self.state_dtype, "device": self.device}
+        # The running means S / n [B, L, H, D, D] and Z / n [B, L, H, D] (linear_attention/state.py).
         return {
-            "s": torch.zeros(batch_size, c.num_layers, c.num_heads, D, D, **kwargs),  # [B, L, H, D, D] S / n
-            "z": torch.zeros(batch_size, c.num_layers, c.num_heads, D, **kwargs),  # [B, L, H, D] Z / n
+            "s": torch.zeros(batch_size, c.num_layers, c.num_heads, D, D, **kwargs),
+            "z": torch.zeros(batch_size, c.num_layers, c.num_heads, D, **kwargs),
             "events": torch.zeros(batch_size, dtype=torch.long, device=self.device),  # [B] n
         }
 
@@ -181,12 +188,12 @@ class LinearTransformerDetector(RecurrentDetector):
     def step(self, x_t: Tensor, state: State) -> tuple[Tensor, State]:
         self._check_input(x_t, 2)
         seen = state["events"]
-        share = (1.0 / (seen + 1).to(self.state_dtype))[:, None, None]  # [B, 1, 1]
+        share = self._update_shares(seen, self.state_dtype)  # [B, H]
         h = self.encoder(x_t)
         if torch.is_grad_enabled():  # out= cannot be differentiated: fresh tensors per layer, then stacked
             s_means, z_means = [], []
             for layer, block in enumerate(self.blocks):
-                h, s, z = block.step(h, state["s"][:, layer], state["z"][:, layer], share)
+                h, s, z = block.step(h, state["s"][:, layer], state["z"][:, layer], share[..., None])
                 s_means.append(s)
                 z_means.append(z)
             new_state = {"s": torch.stack(s_means, 1), "z": torch.stack(z_means, 1)}
@@ -197,10 +204,10 @@ class LinearTransformerDetector(RecurrentDetector):
             every = torch.arange(len(h)) if compiled else None
             for layer, block in enumerate(self.blocks):
                 if compiled:
-                    h = block.step_compiled(h, (state, every), (new_state, every), layer, share.reshape(-1))
+                    h = block.step_compiled(h, (state, every), (new_state, every), layer, share)
                     continue
                 into = (new_state["s"][:, layer], new_state["z"][:, layer])
-                h, _, _ = block.step(h, state["s"][:, layer], state["z"][:, layer], share, into)
+                h, _, _ = block.step(h, state["s"][:, layer], state["z"][:, layer], share[..., None], into)
         new_state["events"] = seen + 1
         return self.head(h), new_state
 
@@ -218,7 +225,7 @@ class LinearTransformerDetector(RecurrentDetector):
             return super().step_in_place(x, table, rows)
         self._check_input(x, 2)
         seen = table["events"][rows] + earlier_occurrences(rows)  # [N] events before each one
-        share = 1.0 / (seen + 1).to(table["s"].dtype)  # [N]
+        share = self._update_shares(seen, table["s"].dtype)  # [N, H]
         h = self.encoder(x)
         for layer, block in enumerate(self.blocks):
             h = block.step_compiled(h, (table, rows), (table, rows), layer, share)
