@@ -11,7 +11,7 @@ from models.linear_attention.naive import linear_attention_naive, phi_naive
 from models.linear_attention.parallel import linear_attention_parallel
 from models.linear_attention.recurrent import linear_attention_recurrent, recurrent_step
 from models.linear_attention.state import LinearAttentionState, decayed_count, update_shares
-from models.linear_transformer import PHI_FLOOR, phi
+from models.linear_transformer import DECAY_RULES, PHI_FLOOR, phi
 from tests.models.conftest import TEST_DEVICE
 from tests.models.helpers import generator
 
@@ -148,6 +148,12 @@ def test_decayed_count_and_shares_follow_the_recurrence_and_are_plain_counts_at_
     assert torch.equal(shares[-1, 0], torch.tensor(0.25)) and (shares[:, 1] > 0).all()
 
 
+def test_the_mixed_rule_is_four_speeds_and_one_undecayed_head():
+    assert DECAY_RULES["mixed"](4) == [0.75, 0.9375, 0.984375, 1.0]
+    assert DECAY_RULES["mixed"](1) == [1.0] and DECAY_RULES["none"](3) == [1.0, 1.0, 1.0]
+    assert all(0 < g < 1 for g in DECAY_RULES["retnet"](8))
+
+
 @cpu_only
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("decay", sorted(DECAYS))
@@ -170,7 +176,7 @@ def test_100k_steps_of_the_recurrence_in_float32_stay_near_float64(record_proper
     # float64. Three heads: a fast and a slow decayed head, and an undecayed one.
     events = 100_000
     q, k, v = qkv(1, 3, events, 4, seed=2)
-    g = torch.tensor([0.75, 0.9375, 1.0], dtype=torch.float64)
+    g = torch.tensor(DECAY_RULES["mixed"](3), dtype=torch.float64)
     expected, expected_final = linear_attention_parallel(q, k, v, decay=g)
     q32, k32, v32 = q.float(), k.float(), v.float()
     s_mean, z_mean = torch.zeros(1, 3, 4, 4), torch.zeros(1, 3, 4)
