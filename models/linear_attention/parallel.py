@@ -6,8 +6,11 @@ chunks the decayed sums S and Z carry it, so the cost is O(T C) rather than O(T^
 recurrence's whatever C is. With decay g per head, event i of a chunk weighs the chunk's event j <= i by
 g^(i - j) and the sums carried into the chunk by g^(i + 1); the carried sums pass from chunk to chunk as
 S <- g^C S + (the chunk's sum, decayed to its end), a scan over the chunks (a cumulative sum where g = 1).
-Exponents count valid events, not positions, so padding ages nothing. The arithmetic runs in the inputs'
-dtype; callers run it in float32 or wider (models/linear_transformer.py).
+Exponents count valid events, not positions, so padding ages nothing. The weights are one exp per [C, C]
+entry, worked out whatever g is (exp(0) = 1 where g = 1): measured on one CPU thread, 56.5 -> 64.5 ms per
+forward and backward of 32 accounts x 256 events, H = 4, D = 16. Folding g^(+-i) into the queries and
+keys instead would save that but overflows once C |log g| passes float32's exponent range. The arithmetic
+runs in the inputs' dtype; callers run it in float32 or wider (models/linear_transformer.py).
 """
 
 import torch
