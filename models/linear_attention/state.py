@@ -1,13 +1,30 @@
-"""What linear attention carries from one event to the next: the running means of its two sums.
+"""What linear attention carries from one event to the next: the decayed running means of its two sums.
 
-Per head the attention's history is two sums, S = sum of phi(k) v^T [D, Dv] and Z = sum of phi(k) [D], and
-they grow linearly with history. The state keeps their running means S / n and Z / n plus the count n
-(int64): the output ratio phi(q) S / (phi(q) . Z) is unchanged, the stored numbers stay O(1) however long
-the stream (no overflow in any float format, the same scale for an account with 10 events and one with
-10 million), and one event's update is one lerp, S_n / n = S_{n-1} / (n - 1) + (phi(k) v^T - S_{n-1} /
-(n - 1)) / n. Rounding is ~eps per update, so float32 serving stays close to float64 (the contract suite
-measures 100,000 events). Past ~2^24 events per account a float32 mean can no longer register one
-event's 1/n share; a card account never gets near that.
+Per head the attention's history is two sums, each shrunk by a fixed decay g in (0, 1] per event (RetNet's
+fixed per-head decay, Sun et al. 2023; g = 1 is plain causal linear attention, which forgets nothing):
+
+    S_t = g S_{t-1} + phi(k_t) v_t^T   [D, Dv]        Z_t = g Z_{t-1} + phi(k_t)   [D]
+
+The state keeps both divided by the decayed count of events, n_g = g n_g + 1 per event, so that after n
+events n_g = 1 + g + ... + g^(n-1): n when g = 1, (1 - g^n) / (1 - g) otherwise (`decayed_count`). It
+stores s = S / n_g and z = Z / n_g, the decayed means (weighted means of phi(k) v^T and phi(k), event j's
+weight g^(events since j)), plus the plain count n (int64). Why this representation:
+
+- The output ratio phi(q) S / (phi(q) . Z) is unchanged when S and Z are divided by the same n_g.
+- n_g follows from n and g alone, so the record holds what it always did: per account s [H, D, Dv], z
+  [H, D] and n, whatever the decay. A head with g = 1 stores exactly the running means S / n of plain
+  linear attention, updated by the same arithmetic as before the decay existed.
+- One event's update is one lerp per head: s' = s + (phi(k) v^T - s) / n_g', where n_g' = g n_g + 1
+  counts the new event (`update_shares`: 1 / n_g' is 1 / (n + 1) for g = 1; for g < 1 it falls from 1
+  towards 1 - g and stays there).
+- Bounded: a decayed mean is a convex combination of the events' phi(k) v^T, so the stored numbers stay
+  O(1) however long the stream (no overflow in any float format, the same scale for an account with 10
+  events and one with 10 million). The decayed sums themselves would stay bounded too (by 1 / (1 - g)
+  times the largest term) but grow without bound at g = 1; one representation for every head keeps one
+  update. Rounding is ~eps per update, and for g < 1 an old rounding error fades by g per event like
+  the event that made it, so float32 serving stays close to float64 (the contract suite measures 100,000
+  events). At g = 1, past ~2^24 events per account a float32 mean can no longer register one event's
+  1/n share; a card account never gets near that, and a decayed head's share never falls below 1 - g.
 """
 
 from typing import NamedTuple
@@ -17,15 +34,31 @@ from torch import Tensor
 
 
 class LinearAttentionState(NamedTuple):
-    s: Tensor  # [B, H, D, Dv] S / n
-    z: Tensor  # [B, H, D] Z / n
+    s: Tensor  # [B, H, D, Dv] S / n_g
+    z: Tensor  # [B, H, D] Z / n_g
     n: Tensor  # [B] int64: events so far (0: no history, s and z are zeros)
 
 
+def decayed_count(n: Tensor, decay: Tensor) -> Tensor:
+    """n_g [B, H] float64 = 1 + g + ... + g^(n-1), for n [B] events and decay g [H]: n where g = 1."""
+    events = n.to(torch.float64)[:, None]  # [B, 1]
+    g = decay.to(dtype=torch.float64, device=n.device)  # [H]
+    # (1 - g^n) / (1 - g), with 1 - g^n as -expm1(n log g): no cancellation however close g is to 1.
+    geometric = torch.expm1(events * torch.log(g)) / (g - 1)  # NaN where g = 1, replaced below
+    return torch.where(g == 1, events, geometric)
+
+
+def update_shares(n: Tensor, decay: Tensor, dtype: torch.dtype) -> Tensor:
+    """[B, H] in `dtype`: 1 / n_g after one more event, the weight of an account's next event in its decayed
+    means, n [B] the events before it. Worked out in float64, so exactly 1 / (n + 1) where g = 1."""
+    return (1.0 / decayed_count(n + 1, decay)).to(dtype)
+
+
 def inputs_with_defaults(
-    phi_k: Tensor, v: Tensor, state: LinearAttentionState | None, valid: Tensor | None
-) -> tuple[LinearAttentionState, Tensor]:
-    """The state carried in (no history when None) and valid [B, T] (every event when None)."""
+    phi_k: Tensor, v: Tensor, state: LinearAttentionState | None, valid: Tensor | None, decay: Tensor | None
+) -> tuple[LinearAttentionState, Tensor, Tensor]:
+    """The state carried in (no history when None), valid [B, T] (every event when None) and decay [H]
+    (1, no decay, when None)."""
     B, H, T, D = phi_k.shape
     if state is None:
         state = LinearAttentionState(
@@ -35,4 +68,8 @@ def inputs_with_defaults(
         )
     if valid is None:
         valid = torch.ones(B, T, dtype=torch.bool, device=phi_k.device)
-    return state, valid
+    if decay is None:
+        decay = torch.ones(H, dtype=torch.float64, device=phi_k.device)
+    elif decay.shape != (H,):  # its values, in (0, 1], are the config's to check (no device sync here)
+        raise ValueError(f"decay must be [H] = [{H}] values in (0, 1], got shape {list(decay.shape)}")
+    return state, valid, decay

@@ -94,3 +94,35 @@ def test_the_terminal_bucket_is_embedded_only_when_the_config_asks(name):
     for detector in (plain, embedded):
         with pytest.raises(ValueError, match=r"terminal bucket index -1 is outside \[0, 16\)"):
             detector(x)
+
+
+def test_linear_transformer_decay_is_a_rule_or_one_number_per_head_and_says_what_it_expects():
+    config_type = config_class("linear_transformer")
+    assert config_type().decay_per_event == "mixed"
+    assert config_type().head_decays() == (0.75, 0.9375, 0.984375, 1.0)
+    assert config_type(decay_per_event="none").head_decays() == (1.0,) * 4
+    # The state's layout is the same whatever the decay, its meaning is not: the config fingerprint in
+    # every state record tells them apart, so a record written under another decay is refused.
+    assert config_type(decay_per_event="none").fingerprint() != config_type().fingerprint()
+    # A list (JSON, YAML) becomes a tuple: the config stays hashable and equal after its round trip.
+    listed = config_type(num_heads=2, d_model=8, decay_per_event=[0.5, 1])
+    assert listed.decay_per_event == (0.5, 1.0) and hash(listed) == hash(
+        config_type.from_dict(listed.to_dict())
+    )
+    expected = r"expected one of \['mixed', 'none', 'retnet'\] or 4 numbers in \(0, 1\], one per head"
+    for wrong in ("fast", (0.5, 0.9), (0.5, 0.9, 1.0, 0.0), (0.5, 0.9, 1.0, 1.5), ("a", "b", "c", "d")):
+        with pytest.raises(ValueError, match=rf"decay_per_event = .*: {expected}"):
+            config_type(decay_per_event=wrong)
+
+
+def test_a_linear_transformer_config_saved_before_decay_existed_rebuilds_an_undecayed_detector():
+    values = config_class("linear_transformer").tiny().to_dict()
+    del values["decay_per_event"]  # as an artifact written before the field existed holds it
+    old = build_detector("linear_transformer", values)
+    assert old.config.head_decays() == (1.0, 1.0)
+    decayed = make_detector("linear_transformer", seed=0)
+    assert decayed.config.head_decays() == (0.75, 1.0)
+    old.load_state_dict(decayed.state_dict())
+    x = random_events(decayed, 2, 20, seed=2)
+    with torch.no_grad():  # the same weights, another detector: the decay is in use
+        assert (old.double()(x)[0] - decayed(x)[0]).abs().max().item() > 1e-3
