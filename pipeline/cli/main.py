@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job end to end on embedded defaults (what `make demo` runs)")
     p.add_argument("--accounts", type=int, default=800)
-    p.add_argument("--days", type=int, default=60)
+    p.add_argument("--days", type=int, default=90)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="where datasets and outputs go")
     p.set_defaults(run=_demo)
