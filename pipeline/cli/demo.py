@@ -52,7 +52,7 @@ class DemoConfig:
     days: int = 90  # 60 days leave too short a history for the detectors to beat the per-event baselines
     seed: int = 7
     test_days: int = 7
-    max_epochs: int = 12  # the quick profile's, which this overrides
+    max_epochs: int | None = None  # None: the quick profile's
     models: tuple[str, ...] = SEQUENCE_MODELS + BASELINE_MODELS
     stream_events_per_s: float = 1000.0  # the steady rate the stream is replayed at
     stream_days: int = 7  # the last days of the data (the test period) go through Kafka
@@ -87,8 +87,9 @@ def _train_all(cfg: DemoConfig, data_dir: Path, events_per_day: float) -> list[T
     settings = [
         f"test_days={cfg.test_days}",
         f"alert_budget_per_day={max(5, round(events_per_day * cfg.alert_share))}",
-        f"max_epochs={cfg.max_epochs}",
     ]
+    if cfg.max_epochs is not None:
+        settings.append(f"max_epochs={cfg.max_epochs}")
     for model in cfg.models:
         sequence = model in SEQUENCE_MODELS
         profile, overrides = (QUICK_PROFILE, settings) if sequence else (None, settings[:1])
