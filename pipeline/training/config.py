@@ -14,7 +14,7 @@ import yaml
 
 from pipeline.data.splits import DAY, Period, Split
 
-SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer")
+SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "configs" / "train"
 QUICK_PROFILE = PROFILES_DIR / "quick.yaml"  # a quick CPU run: the demo's and the notebooks' training
 
@@ -24,6 +24,7 @@ class TrainConfig:
     data: Path
     model: str = "linear_transformer"
     model_config: dict[str, Any] = field(default_factory=dict)  # overrides of the detector's config
+    hybrid_base: str = "linear_transformer"  # `model: hybrid`: the sequence detector under its trees
 
     # Periods: explicit, or the last `test_days` of the data for test, `delay_days` before it unused, and
     # (up to `train_days` of) everything before that for training, its last `validation_days` for validation.
@@ -66,6 +67,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train config: {name} = {value!r}, expected an integer >= 1")
+        if self.hybrid_base not in SEQUENCE_MODELS or self.hybrid_base == "hybrid":
+            bases = [m for m in SEQUENCE_MODELS if m != "hybrid"]
+            raise ValueError(f"train config: hybrid_base = {self.hybrid_base!r}, expected one of {bases}")
         if self.learning_rate <= 0:
             raise ValueError(f"train config: learning_rate = {self.learning_rate!r}, expected > 0")
 

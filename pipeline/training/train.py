@@ -23,6 +23,7 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.loggers import MLFlowLogger
 
+from models.hybrid import HybridDetector
 from models.registry import REGISTRY, build_detector, config_class
 from pipeline.data.dataset import read_dataset
 from pipeline.data.splits import Period, Split, dataset_days
@@ -39,6 +40,7 @@ from pipeline.training.diagnostics import (
     state_bytes_per_account,
     step_cost_us_per_event,
 )
+from pipeline.training.hybrid_head import fit_hybrid
 from pipeline.training.module import DetectorModule
 from pipeline.training.sequences import AccountSequences, build_sequences
 from pipeline.training.thresholds import Threshold, choose_threshold
@@ -148,15 +150,17 @@ def train(cfg: TrainConfig) -> TrainResult:
         num_workers=cfg.num_workers,
         seed=cfg.seed,
     )
-    model_config = config_class(cfg.model)(
+    # A hybrid trains its base detector first, then its trees (pipeline/training/hybrid_head.py).
+    base = cfg.hybrid_base if cfg.model == HybridDetector.name else cfg.model
+    model_config = config_class(base)(
         **{
-            **config_class(cfg.model)().to_dict(),
+            **config_class(base)().to_dict(),
             "num_features": spec.num_features,
             "terminal_buckets": spec.terminal_buckets,
             **cfg.model_config,
         }
     )
-    detector = build_detector(cfg.model, model_config)
+    detector = build_detector(base, model_config)
     module = DetectorModule(
         detector,
         learning_rate=cfg.learning_rate,
@@ -172,6 +176,10 @@ def train(cfg: TrainConfig) -> TrainResult:
         best = trainer.checkpoint_callback.best_model_path
         if best:
             module.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])
+        if cfg.model == HybridDetector.name:
+            module.detector = fit_hybrid(
+                module.detector, train_seqs, windows["train"], windows["validation"], cfg.seed
+            )
         train_seconds = time.perf_counter() - started
         trainer.validate(module, datamodule=data, verbose=False)  # the best weights' validation scores
         threshold = _threshold(module.scores["val"], train_seqs, cfg.alert_budget_per_day)

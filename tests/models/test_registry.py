@@ -9,8 +9,8 @@ from models.registry import REGISTRY, build_detector, config_class
 from tests.models.helpers import DETECTORS, make_detector
 
 
-def test_registry_names_the_three_detectors():
-    assert set(REGISTRY) == {"lstm", "transformer", "linear_transformer"}
+def test_registry_names_the_three_detectors_and_the_hybrid():
+    assert set(REGISTRY) == {"lstm", "transformer", "linear_transformer", "hybrid"}
     for name, (config_type, detector_type) in REGISTRY.items():
         assert detector_type.name == name and issubclass(config_type, DetectorConfig)
 

@@ -109,6 +109,20 @@ print(json.dumps({{"event_ids": seqs.event_ids.tolist(), "scores": scores[0].tol
 
 
 @pytest.mark.slow
+def test_hybrid_trains_its_base_then_its_trees_and_registers_one_model(tracking):
+    cfg = config(tracking, "hybrid", "hybrid_base=lstm", "model_config.d_model=8", "model_config.num_layers=1")
+    result = train(cfg)
+    assert result.metrics["test/parallel_vs_recurrent_max_abs"] < 1e-4
+    assert 0.5 < result.metrics["test/auc"] <= 1.0
+    model = load_model(result.model_uri)
+    assert model.name == "hybrid" and bool(model.detector.fitted)
+    assert model.detector.base.name == "lstm" and model.detector.config.trees >= 1
+    assert mlflow.get_run(result.run_id).data.tags["detector"] == "hybrid"
+    with pytest.raises(ValueError, match="hybrid_base"):
+        config(tracking, "hybrid", "hybrid_base=hybrid")
+
+
+@pytest.mark.slow
 def test_baseline_logs_the_same_test_metrics_to_the_same_experiment(tracking):
     result = train(config(tracking, "logreg"))
     assert {"test/auc", "test/ap", "test/cp_at_100"} <= set(result.metrics)
