@@ -3,6 +3,7 @@ secrets, and errors that name the setting and where its value came from."""
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -189,3 +190,13 @@ def test_the_printed_settings_mask_secrets_say_where_each_came_from_and_read_bac
     path = tmp_path / "printed.yaml"
     path.write_text(text)
     assert load_serve_config(path, env={"TXS_KAFKA_SASL_PASSWORD": "hunter2"}) == cfg
+
+
+def test_every_setting_has_a_row_in_the_configuration_page():
+    # Its environment variable follows from its name (TXS_ + NAME), as the page says.
+    page = (Path(__file__).resolve().parents[3] / "docs" / "configuration.md").read_text()
+    undocumented = [
+        f.name for f in dataclasses.fields(ServeConfig) if not re.search(rf"^\| `{f.name}` \|", page, re.M)
+    ]
+    assert not undocumented, f"add a row for each to docs/configuration.md, section Serve: {undocumented}"
+    assert "`TXS_` and the setting's name in upper case" in page
