@@ -181,5 +181,5 @@ def format_settings(cfg: Any, origins: Mapping[str, str], secrets: Collection[st
             shown = json.dumps(MASK if value is not None else None)
             lines.append(f"# {name + ':':<{width}}{shown}  # {origin}; a secret: from the environment only")
         else:
-            lines.append(f"{name + ':':<{width + 2}}{json.dumps(value)}  # {origin}")
+            lines.append(f"{name + ':':<{width + 2}}{json.dumps(value, default=str)}  # {origin}")
     return "\n".join(lines)
