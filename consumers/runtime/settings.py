@@ -296,8 +296,8 @@ def read_serve_config(
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> tuple[ServeConfig, dict[str, str]]:
-    """(the settings, {setting: where it came from}) of `overrides` (flags) < `env` (os.environ when None) <
-    `config_file` < the defaults, highest first."""
+    """(the settings, {setting: where it came from}): `overrides` (flags) win over `env` (os.environ when
+    None), which wins over `config_file`, which wins over the defaults."""
     overrides = dict(overrides or {})
     from_file = read_yaml_file(config_file, "serve settings") if config_file is not None else {}
     for where, given in ((f" in {config_file}", from_file), (" among the flags", overrides)):
@@ -332,5 +332,5 @@ def load_serve_config(
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> ServeConfig:
-    """The settings of `overrides` (flags, tests) < `env` (os.environ when None) < `config_file` < defaults."""
+    """The settings: `overrides` (flags, tests) over `env` (os.environ when None) over `config_file`."""
     return read_serve_config(config_file, overrides, env)[0]
