@@ -1,31 +1,41 @@
-"""The scoring service's settings: a frozen dataclass whose defaults serve as they are; a deployment's YAML
-file (`txsentinel serve --config FILE`) holds only what it changes, and `--set` overrides come last.
+"""The scoring service's settings: a frozen dataclass whose defaults serve as they are, and which checks
+every value it is given. Each setting comes from the first of: a flag (`--set`, `--group-id`, ...), the
+environment (TXS_<NAME>), the deployment's YAML file (`txsentinel serve --config FILE`, holding only what it
+changes), the defaults here (consumers/runtime/settings_sources.py reads the layers).
 
-Kafka security (TLS, SASL) comes from TXS_KAFKA_* environment variables only, never from a file in the
-repository, so no secret is ever committed next to the code.
+Secrets (the Kafka passwords) come from the environment only, never from a file or a flag: TXS_<NAME>, or a
+file that TXS_<NAME>_FILE names.
 """
 
 import dataclasses
 import datetime
 import math
 import os
+import re
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from consumers.runtime.settings_sources import env_name, from_text, read_layers, read_yaml_file, unknown
 
-# environment variable -> kafka-python client setting
-SECURITY_ENV = {
-    "TXS_KAFKA_SECURITY_PROTOCOL": "security_protocol",
-    "TXS_KAFKA_SASL_MECHANISM": "sasl_mechanism",
-    "TXS_KAFKA_SASL_USERNAME": "sasl_plain_username",
-    "TXS_KAFKA_SASL_PASSWORD": "sasl_plain_password",
-    "TXS_KAFKA_SSL_CAFILE": "ssl_cafile",
-    "TXS_KAFKA_SSL_CERTFILE": "ssl_certfile",
-    "TXS_KAFKA_SSL_KEYFILE": "ssl_keyfile",
+# setting -> the kafka-python client setting it is passed as
+KAFKA_SECURITY = {
+    "kafka_security_protocol": "security_protocol",
+    "kafka_sasl_mechanism": "sasl_mechanism",
+    "kafka_sasl_username": "sasl_plain_username",
+    "kafka_sasl_password": "sasl_plain_password",
+    "kafka_ssl_cafile": "ssl_cafile",
+    "kafka_ssl_certfile": "ssl_certfile",
+    "kafka_ssl_keyfile": "ssl_keyfile",
+    "kafka_ssl_password": "ssl_password",
 }
+SECRETS = frozenset({"kafka_sasl_password", "kafka_ssl_password"})
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
+TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")  # what Kafka accepts as a topic name
 
 
 @dataclass(frozen=True)
@@ -116,8 +126,22 @@ class ServeConfig:
     # The address /metrics listens on: this host only by default; a scraper elsewhere needs "0.0.0.0" (or the
     # pod's address) and a network that keeps strangers out, since the endpoint has no authentication.
     metrics_host: str = "127.0.0.1"
-    # kafka-python settings from the environment (SECURITY_ENV); kept out of repr: it may hold a password.
-    security: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    # The Kafka cluster; "127.0.0.1:39092" is the project's development broker (scripts/kafka.sh).
+    bootstrap_servers: str = "127.0.0.1:39092"  # host:port[,host:port...]
+    # How long the start waits for a first answer from the cluster before it gives up with an error.
+    bootstrap_timeout_ms: int = 30_000
+    # What `serve` scores with: models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a directory.
+    model_uri: str | None = None
+    # Kafka security (TLS, SASL), passed to every client as KAFKA_SECURITY names them; None: the client's default.
+    kafka_security_protocol: str | None = None  # SECURITY_PROTOCOLS; the client's default is PLAINTEXT
+    kafka_sasl_mechanism: str | None = None  # SASL_MECHANISMS
+    kafka_sasl_username: str | None = None
+    kafka_ssl_cafile: str | None = None  # paths of PEM files
+    kafka_ssl_certfile: str | None = None
+    kafka_ssl_keyfile: str | None = None
+    # Secrets (SECRETS): from the environment only, and kept out of repr, which logs print.
+    kafka_sasl_password: str | None = field(default=None, repr=False)
+    kafka_ssl_password: str | None = field(default=None, repr=False)  # the key file's
 
     def __post_init__(self):
         if isinstance(self.earliest_ts, datetime.date):  # YAML reads an unquoted date or time as one
@@ -185,6 +209,45 @@ class ServeConfig:
             )
         if not self.group_id:
             raise ValueError("serve config: group_id is empty; every service instance needs its group")
+        self._check_kafka()
+        for f in dataclasses.fields(self):  # last: the checks above say more about the values they know
+            check_type(f.name, getattr(self, f.name), f.type)
+
+    def _check_kafka(self) -> None:
+        servers = self.bootstrap_servers
+        if not isinstance(servers, str) or not all(
+            re.fullmatch(r"[^\s:,]+(:\d{1,5})?", server.strip()) for server in servers.split(",")
+        ):
+            raise ValueError(
+                f"serve config: bootstrap_servers = {servers!r}, expected host:port[,host:port...]"
+            )
+        if not isinstance(self.bootstrap_timeout_ms, int) or self.bootstrap_timeout_ms < 1:
+            raise ValueError(
+                f"serve config: bootstrap_timeout_ms = {self.bootstrap_timeout_ms!r}, expected an integer >= 1"
+            )
+        if not isinstance(self.topic_prefix, str) or not TOPIC_NAME.fullmatch(self.topic_prefix or "x"):
+            raise ValueError(
+                f"serve config: topic_prefix = {self.topic_prefix!r}, expected letters, digits, '.', '_' or '-'"
+            )
+        for name in (f.name for f in dataclasses.fields(self) if f.name.endswith("_topic")):
+            topic = f"{self.topic_prefix}{getattr(self, name)}"
+            if not TOPIC_NAME.fullmatch(topic):
+                raise ValueError(
+                    f"serve config: {name} = {getattr(self, name)!r} makes topic {topic!r}, expected 1 to 249 "
+                    "letters, digits, '.', '_' or '-' in all"
+                )
+        for name, allowed in (
+            ("kafka_security_protocol", SECURITY_PROTOCOLS),
+            ("kafka_sasl_mechanism", SASL_MECHANISMS),
+        ):
+            if getattr(self, name) not in (None, *allowed):
+                raise ValueError(
+                    f"serve config: {name} = {getattr(self, name)!r}, expected one of {', '.join(allowed)}"
+                )
+        for name in ("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"serve config: {name} = {path!r}: no such file ({env_name(name)})")
 
     def topic(self, name: str) -> str:
         """The full name of topic `name` ("transactions", "scores", ...), prefix included."""
@@ -192,22 +255,76 @@ class ServeConfig:
 
     @property
     def kafka_security(self) -> dict[str, str]:
-        return dict(self.security)
+        """The kafka-python settings of the security settings that are set."""
+        return {client: getattr(self, name) for name, client in KAFKA_SECURITY.items() if getattr(self, name)}
+
+
+_TYPE_NAMES = {str: "text", int: "an integer", float: "a number", bool: "true or false", type(None): "null"}
+
+
+def check_type(name: str, value: Any, hint: Any) -> None:
+    """Refuses `value` unless it is of type `hint` (a bool is not a number; an integer is)."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        allowed = typing.get_args(hint)
+    else:
+        allowed = (typing.get_origin(hint) or hint,)  # tuple[str, ...]: a tuple
+    for kind in allowed:
+        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return
+        if kind in (int, float) and isinstance(value, bool):
+            continue
+        if isinstance(kind, type) and isinstance(value, kind):
+            return
+    expected = " or ".join(_TYPE_NAMES.get(kind, str(kind)) for kind in allowed)
+    raise ValueError(f"serve config: {name} = {value!r}, expected {expected}")
 
 
 def parse_settings(items: list[str] | None) -> dict[str, Any]:
-    """`--set KEY=VALUE` flags -> overrides; each value is read as YAML (200 -> int, null -> None)."""
+    """`--set KEY=VALUE` flags -> overrides, each value read as its setting's type (300 -> int, 1e-3 ->
+    float, null -> None where a setting may be null)."""
     overrides = {}
     for item in items or []:
         key, sep, text = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: expected key=value, e.g. --set max_poll_records=200")
-        overrides[key.strip()] = yaml.safe_load(text)
+        overrides[key.strip()] = from_text(ServeConfig, key.strip(), text.strip())
     return overrides
 
 
-def security_from_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple((setting, env[var]) for var, setting in SECURITY_ENV.items() if env.get(var))
+def read_serve_config(
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[ServeConfig, dict[str, str]]:
+    """(the settings, {setting: where it came from}): `overrides` (flags) win over `env` (os.environ when
+    None), which wins over `config_file`, which wins over the defaults."""
+    overrides = dict(overrides or {})
+    from_file = read_yaml_file(config_file, "serve settings") if config_file is not None else {}
+    for where, given in ((f" in {config_file}", from_file), (" among the flags", overrides)):
+        wrong = unknown(ServeConfig, given)
+        if wrong:
+            known = sorted(f.name for f in dataclasses.fields(ServeConfig))
+            raise ValueError(
+                f"unknown serve setting(s) {wrong}{where}; known: {known}. Secrets come from the environment "
+                f"only: {', '.join(env_name(name) for name in sorted(SECRETS))} (or *_FILE naming a file)"
+            )
+    env = os.environ if env is None else env
+    values, origins = read_layers(ServeConfig, overrides, env, from_file, str(config_file), SECRETS)
+    try:
+        try:
+            return ServeConfig(**values), origins
+        except TypeError:
+            # a check compared a value of the wrong type before the type check came to it: say which value
+            for f in dataclasses.fields(ServeConfig):
+                if f.name in values:
+                    check_type(f.name, values[f.name], f.type)
+            raise
+    except ValueError as error:
+        # "serve config: NAME ...": say where NAME's value came from
+        named = re.match(r"serve config: (\w+)", str(error))
+        if named is None or named[1] not in origins:
+            raise
+        raise ValueError(f"{error} (from {origins[named[1]]})") from error
 
 
 def load_serve_config(
@@ -215,23 +332,5 @@ def load_serve_config(
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> ServeConfig:
-    """Defaults < YAML file < `overrides` (CLI flags, tests); security settings from `env` (os.environ)."""
-    values: dict[str, Any] = {}
-    if config_file is not None:
-        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(
-                f"{config_file}: expected a mapping of serve settings, got {type(loaded).__name__}"
-            )
-        values.update(loaded)
-    values.update(overrides or {})
-    known = {f.name for f in dataclasses.fields(ServeConfig)} - {"security"}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        where = f" in {config_file}" if config_file else ""
-        raise ValueError(
-            f"unknown serve setting(s) {unknown}{where}; known: {sorted(known)}. Kafka security settings "
-            f"come from the environment only: {sorted(SECURITY_ENV)}"
-        )
-    values["security"] = security_from_env(os.environ if env is None else env)
-    return ServeConfig(**values)
+    """The settings: `overrides` (flags, tests) over `env` (os.environ when None) over `config_file`."""
+    return read_serve_config(config_file, overrides, env)[0]

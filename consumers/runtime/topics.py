@@ -9,7 +9,7 @@ import logging
 import time
 
 from kafka import KafkaAdminClient
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from consumers.runtime.settings import ServeConfig
 
@@ -31,7 +31,10 @@ def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
     partition p reads changelog partition p, so the counts must match.
     """
     admin = KafkaAdminClient(
-        bootstrap_servers=bootstrap, client_id="txsentinel-serve-admin", **cfg.kafka_security
+        bootstrap_servers=bootstrap,
+        client_id="txsentinel-serve-admin",
+        bootstrap_timeout_ms=cfg.bootstrap_timeout_ms,  # the first contact: a wrong address fails here
+        **cfg.kafka_security,
     )
     try:
         existing = set(admin.list_topics())
@@ -86,6 +89,9 @@ def _create(admin: KafkaAdminClient, name: str, partitions: int, replication: in
         log.info("created topic=%s partitions=%d config=%s", name, partitions, config)
     except TopicAlreadyExistsError:
         pass  # another instance created it in between
+    except KafkaError as error:  # e.g. a replication factor above the broker count, or no ACL to create
+        error.add_note(f"creating topic {name!r}: {partitions} partitions, replication factor {replication}")
+        raise
 
 
 def _partition_count(admin: KafkaAdminClient, topic: str) -> int:
@@ -94,7 +100,11 @@ def _partition_count(admin: KafkaAdminClient, topic: str) -> int:
     # TopicAlreadyExistsError at once), and it would read as a topic of 0 partitions.
     deadline = time.monotonic() + PARTITIONS_WAIT_S
     while True:
-        (described,) = admin.describe_topics([topic])
+        try:
+            (described,) = admin.describe_topics([topic])
+        except KafkaError as error:
+            error.add_note(f"reading the partitions of topic {topic!r}")
+            raise
         if described["partitions"] or time.monotonic() > deadline:
             return len(described["partitions"])
         time.sleep(0.1)

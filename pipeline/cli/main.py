@@ -8,14 +8,15 @@ torch, polars, Lightning, MLflow or Kafka are imported at the top.
 """
 
 import argparse
-import logging
 import sys
+import traceback
 from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
-from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.bench.cores import pin_to_one_core
+from pipeline.cli.errors import EXIT_INPUT, OperatorError
+from pipeline.cli.serving import add_serve_settings, run_serve, run_terminal_writer
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -77,42 +78,6 @@ def _promote(args: argparse.Namespace) -> int:
 
     version = promote(args.alias, args.model_name, run_id=args.run_id, version=args.version)
     print(f"{args.model_name}@{args.alias} -> version {version}")
-    return 0
-
-
-def _add_serve_settings(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--bootstrap-servers", default="127.0.0.1:39092", help="Kafka bootstrap (default: project's)"
-    )
-    p.add_argument("--group-id", default=None, help="the scoring consumer group (default from the config)")
-    p.add_argument(
-        "--config", type=Path, default=None, help="YAML of the serve settings that differ from the defaults"
-    )
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting (repeatable)")
-
-
-def _serve_config(args: argparse.Namespace):
-    """The serve settings of `serve` and `terminal-writer`: the YAML, then --group-id and --set; and logging."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    overrides = parse_settings(args.set)
-    if args.group_id:
-        overrides["group_id"] = args.group_id
-    return load_serve_config(args.config, overrides)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from consumers.service.loop import serve
-
-    stats = serve(_serve_config(args), args.model, args.bootstrap_servers)
-    print(f"serve stopped: {stats}")
-    return 0
-
-
-def _terminal_writer(args: argparse.Namespace) -> int:
-    from consumers.terminals.writer import run_writer
-
-    stats = run_writer(_serve_config(args), args.bootstrap_servers)
-    print(f"terminal writer stopped: {stats}")
     return 0
 
 
@@ -274,17 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="score a Kafka stream: one member of the scoring consumer group")
     p.add_argument(
-        "--model", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a dir"
+        "--model",
+        default=None,
+        help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a dir (or TXS_MODEL_URI)",
     )
-    _add_serve_settings(p)
-    p.set_defaults(run=_serve)
+    add_serve_settings(p)
+    p.set_defaults(run=run_serve)
 
     p = sub.add_parser(
         "terminal-writer",
         help="the terminal-risk table's one writer, in its own process (serve with terminal_table_writer=external)",
     )
-    _add_serve_settings(p)
-    p.set_defaults(run=_terminal_writer)
+    add_serve_settings(p)
+    p.set_defaults(run=run_terminal_writer)
 
     p = sub.add_parser("backtest", help="replay history through the live scorer and report with the protocol")
     p.add_argument("--data", type=Path, required=True, help="dataset directory")
@@ -376,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="where datasets and outputs go")
     p.set_defaults(run=_demo)
+    for command in (*sub.choices.values(), *bench.choices.values()):
+        command.add_argument(
+            "--debug", action="store_true", help="on an error, print the traceback as well as its one line"
+        )
     return parser
 
 
@@ -383,10 +354,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
+    except OperatorError as error:
+        return _refuse(args, error, error.exit_code)
     except (ValueError, FileNotFoundError) as error:
         # Bad input from the user: say what and where, without a traceback.
-        print(f"txsentinel {args.command}: {error}", file=sys.stderr)
-        return 2
+        return _refuse(args, error, EXIT_INPUT)
+
+
+def _refuse(args: argparse.Namespace, error: Exception, exit_code: int) -> int:
+    if args.debug:
+        traceback.print_exc()
+    print(f"txsentinel {args.command}: {error}", file=sys.stderr)
+    return exit_code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""Operator mistakes as one line that says what is wrong and what to do, instead of a library's traceback
+(`--debug` prints it as well). Errors the operator cannot fix, bugs, keep their traceback.
+
+Exit codes: 2 for a setting, flag or input the operator got wrong (argparse's own code); 1 for a model store
+or Kafka cluster that refused or did not answer.
+
+An MLflow or Kafka exception can only come from a library already loaded, so these look their exception
+classes up in sys.modules instead of importing them: `txsentinel --help` must not wait seconds for MLflow.
+"""
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+EXIT_INPUT = 2
+EXIT_OUTSIDE = 1
+
+
+class OperatorError(Exception):
+    """A mistake an operator can fix: the message is one line saying what is wrong and what to do."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_OUTSIDE):
+        super().__init__(" ".join(message.split()))
+        self.exit_code = exit_code
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def _notes(error: BaseException) -> str:
+    notes = getattr(error, "__notes__", [])
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+@contextmanager
+def model_errors(uri: str) -> Iterator[None]:
+    """MLflow failing to resolve `uri` becomes an OperatorError naming the URI and the tracking store."""
+    try:
+        yield
+    except Exception as error:
+        exceptions = sys.modules.get("mlflow.exceptions")
+        if exceptions is None or not isinstance(error, exceptions.MlflowException):
+            raise
+        store = sys.modules["mlflow"].get_tracking_uri()
+        raise OperatorError(
+            f"model {uri!r} did not resolve in the MLflow tracking store {store}: {_first_line(error.message)}. "
+            "Check the name and version or alias (`mlflow ui` lists them), or point MLFLOW_TRACKING_URI at "
+            "the store the model was registered in"
+        ) from error
+
+
+@contextmanager
+def kafka_errors(cfg: Any) -> Iterator[None]:
+    """A Kafka error of the service or the table writer becomes an OperatorError that names the cluster
+    (`cfg`: the ServeConfig) and the settings to look at."""
+    try:
+        yield
+    except Exception as error:
+        errors = sys.modules.get("kafka.errors")
+        if errors is None or not isinstance(error, errors.KafkaError):
+            raise
+        raise OperatorError(_kafka_line(error, errors, cfg)) from error
+
+
+def _kafka_line(error: Exception, errors: Any, cfg: Any) -> str:
+    cluster = f"the Kafka cluster at {cfg.bootstrap_servers}"
+    said = f"{_first_line(str(error)) or type(error).__name__}{_notes(error)}"
+    protocol = cfg.kafka_security_protocol or "PLAINTEXT"
+    if isinstance(error, errors.KafkaTimeoutError | errors.KafkaConnectionError):
+        return (
+            f"no answer from {cluster} ({said}). Check that a broker listens there for {protocol} clients; "
+            "set bootstrap_servers (--bootstrap-servers, TXS_BOOTSTRAP_SERVERS) and kafka_security_protocol "
+            "(TXS_KAFKA_SECURITY_PROTOCOL) to match its listener"
+        )
+    if isinstance(
+        error,
+        errors.SaslAuthenticationFailedError
+        | errors.UnsupportedSaslMechanismError
+        | errors.IllegalSaslStateError,
+    ):
+        return (
+            f"{cluster} refused the credentials ({said}). Check kafka_sasl_mechanism "
+            "(TXS_KAFKA_SASL_MECHANISM), TXS_KAFKA_SASL_USERNAME and TXS_KAFKA_SASL_PASSWORD or "
+            "TXS_KAFKA_SASL_PASSWORD_FILE"
+        )
+    if isinstance(error, errors.AuthorizationError):
+        return (
+            f"{cluster} refused this client ({said}). Grant its principal the ACLs listed in "
+            "docs/operations.md (topics, group, transactional id), or create the topics in advance"
+        )
+    if isinstance(
+        error,
+        errors.InvalidReplicationFactorError
+        | errors.InvalidPartitionsError
+        | errors.InvalidTopicError
+        | errors.PolicyViolationError
+        | errors.InvalidConfigurationError
+        | errors.UnknownTopicOrPartitionError,
+    ):
+        return (
+            f"{cluster} refused a topic ({said}). Set replication_factor (at most the broker count) or "
+            "transactions_partitions, fix the *_topic names and topic_prefix, or create the topics in advance "
+            "as docs/operations.md lists them"
+        )
+    return f"{cluster}: {said}. Rerun with --debug for the traceback"

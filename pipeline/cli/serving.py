@@ -1,0 +1,82 @@
+"""`txsentinel serve` and `txsentinel terminal-writer`: their settings from flags, the environment, a file
+and the defaults (consumers/runtime/settings.py), `--print-config`, and the operator's mistakes as one line.
+
+Like pipeline/cli/main.py, each command imports the service inside its function: the parser is built from
+this module for every command, and must not wait for torch, MLflow or Kafka.
+"""
+
+import argparse
+import logging
+from pathlib import Path
+
+from pipeline.cli.errors import kafka_errors, model_errors
+
+
+def add_serve_settings(p: argparse.ArgumentParser) -> None:
+    # Every setting also comes from TXS_<NAME> in the environment, below these flags (docs/configuration.md).
+    p.add_argument(
+        "--bootstrap-servers",
+        default=None,
+        help="Kafka bootstrap servers, host:port[,...] (default: the project's broker, 127.0.0.1:39092)",
+    )
+    p.add_argument("--group-id", default=None, help="the scoring consumer group (default txsentinel-scorer)")
+    p.add_argument(
+        "--config", type=Path, default=None, help="YAML of the serve settings that differ from the defaults"
+    )
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting (repeatable)")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective settings, where each came from, secrets masked; then exit",
+    )
+
+
+def serve_config(args: argparse.Namespace):
+    """The serve settings of `serve` and `terminal-writer`: (ServeConfig, where each setting came from)."""
+    from consumers.runtime.settings import parse_settings, read_serve_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    named = {"bootstrap_servers": args.bootstrap_servers, "group_id": args.group_id}
+    named["model_uri"] = getattr(args, "model", None)
+    flags = {name: value for name, value in named.items() if value is not None}
+    flags.update(parse_settings(args.set))  # last: --set wins over the named flags
+    return read_serve_config(args.config, flags)
+
+
+def _print_config(cfg, origins: dict[str, str]) -> int:
+    from consumers.runtime.settings import SECRETS
+    from consumers.runtime.settings_sources import format_settings
+
+    print(format_settings(cfg, origins, SECRETS))
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    cfg, origins = serve_config(args)
+    if args.print_config:
+        return _print_config(cfg, origins)
+    if cfg.model_uri is None:
+        raise ValueError(
+            "no model to serve: pass --model URI, or set TXS_MODEL_URI (or model_uri in --config)"
+        )
+    from consumers.service.loop import serve
+    from pipeline.registry.tracking import load_model
+
+    with model_errors(cfg.model_uri):
+        model = load_model(cfg.model_uri)
+    with kafka_errors(cfg):
+        stats = serve(cfg, model, cfg.bootstrap_servers)
+    print(f"serve stopped: {stats}")
+    return 0
+
+
+def run_terminal_writer(args: argparse.Namespace) -> int:
+    cfg, origins = serve_config(args)
+    if args.print_config:
+        return _print_config(cfg, origins)
+    from consumers.terminals.writer import run_writer
+
+    with kafka_errors(cfg):
+        stats = run_writer(cfg, cfg.bootstrap_servers)
+    print(f"terminal writer stopped: {stats}")
+    return 0

@@ -1,0 +1,150 @@
+"""An operator's mistake ends in one line that says what is wrong and what to do, and a non-zero exit code;
+--debug adds the traceback. The broker cases use a port nothing listens on; the model case a real MLflow
+store in tmp."""
+
+import os
+import socket
+
+import pytest
+from kafka.errors import InvalidReplicationFactorError, TopicAuthorizationFailedError
+
+from consumers.runtime.settings import load_serve_config
+from models.registry import build_detector
+from pipeline.cli.errors import OperatorError, kafka_errors
+from pipeline.cli.main import main
+from pipeline.features.spec import FeatureSpec
+from pipeline.registry.artifact import save_model_dir
+
+FAST = [
+    "--set",
+    "bootstrap_timeout_ms=1000",
+]  # a refused connection fails after this, not kafka-python's 30 s
+
+
+@pytest.fixture(autouse=True)
+def no_txs_environment(monkeypatch):
+    """The settings read TXS_* variables: the machine's own must not change what these tests see."""
+    for name in [name for name in os.environ if name.startswith("TXS_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed on return: nothing listens there
+
+
+@pytest.fixture
+def tiny_model(tmp_path) -> str:
+    spec = FeatureSpec(mean=(0.0,) * 26, std=(1.0,) * 26)
+    detector = build_detector("lstm", {"num_features": 26, "d_model": 8, "num_layers": 1, "dropout": 0.0})
+    return str(save_model_dir(tmp_path / "model", detector, spec, {"model_version": "tiny"}))
+
+
+def refused(capsys, argv: list[str], exit_code: int) -> str:
+    """Runs the command line; returns its last line on stderr, after checking it was the end of the story."""
+    assert main(argv) == exit_code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"txsentinel {argv[0]}: ")
+    return last
+
+
+def test_a_model_uri_that_does_not_resolve_names_it_the_store_and_what_to_check(
+    tmp_path, monkeypatch, capsys
+):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    line = refused(capsys, ["serve", "--model", "models:/nope/1"], 1)
+    assert f"model 'models:/nope/1' did not resolve in the MLflow tracking store {store}" in line
+    assert "Registered Model with name=nope not found" in line and "MLFLOW_TRACKING_URI" in line
+    assert main(["serve", "--model", "models:/nope/1", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "MlflowException" in err  # the cause, for whoever debugs it
+    assert err.strip().splitlines()[-1] == line
+
+
+def test_no_model_at_all_says_where_to_give_one(capsys):
+    line = refused(capsys, ["serve"], 2)
+    assert "no model to serve: pass --model URI, or set TXS_MODEL_URI" in line
+
+
+@pytest.mark.parametrize("command", ["serve", "terminal-writer"])
+def test_an_unreachable_broker_is_named_with_the_settings_that_point_at_it(
+    command, unused_port, tiny_model, capsys
+):
+    model = ["--model", tiny_model] if command == "serve" else []
+    argv = [command, *model, "--bootstrap-servers", f"127.0.0.1:{unused_port}", *FAST]
+    line = refused(capsys, argv, 1)
+    assert f"no answer from the Kafka cluster at 127.0.0.1:{unused_port}" in line
+    assert "TXS_BOOTSTRAP_SERVERS" in line and "TXS_KAFKA_SECURITY_PROTOCOL" in line
+    assert main([*argv, "--debug"]) == 1
+    assert "KafkaTimeoutError" in capsys.readouterr().err
+
+
+def test_the_bootstrap_servers_come_from_the_environment_too(unused_port, monkeypatch, capsys):
+    monkeypatch.setenv("TXS_BOOTSTRAP_SERVERS", f"127.0.0.1:{unused_port}")
+    monkeypatch.setenv("TXS_BOOTSTRAP_TIMEOUT_MS", "1000")
+    line = refused(capsys, ["terminal-writer"], 1)
+    assert f"no answer from the Kafka cluster at 127.0.0.1:{unused_port}" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--set", "max_poll_records=0"], {}, "max_poll_records = 0, expected an integer >= 1 (from command line)"),
+        ([], {"TXS_MAX_POLL_RECORDS": "many"}, "max_poll_records = 'many', expected an integer >= 1 (from TXS_MAX_POLL_RECORDS)"),
+        (["--set", "max_poll_record=5"], {}, "unknown serve setting(s) ['max_poll_record'] among the flags"),
+        (["--config", "/no/such/serve.yaml"], {}, "--config /no/such/serve.yaml: no such file"),
+        ([], {"TXS_KAFKA_SECURITY_PROTOCOL": "TLS"}, "kafka_security_protocol = 'TLS', expected one of PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
+        (["--bootstrap-servers", "kafka:ninety"], {}, "bootstrap_servers = 'kafka:ninety', expected host:port"),
+        (["--set", "topic_prefix=team a."], {}, "topic_prefix = 'team a.', expected letters, digits"),
+        (["--set", "kafka_sasl_password=hunter2"], {}, "secrets come from the environment only: set TXS_KAFKA_SASL_PASSWORD"),
+    ],
+)  # fmt: skip
+def test_a_bad_setting_or_broker_setting_is_refused_before_connecting(
+    argv, env, message, monkeypatch, capsys
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    line = refused(capsys, ["terminal-writer", *argv], 2)
+    assert message in line
+
+
+def test_a_topic_the_cluster_refuses_to_create_or_read_says_which_and_what_to_change():
+    cfg = load_serve_config(None, {"bootstrap_servers": "kafka-0:9092", "topic_prefix": "p-"}, env={})
+    error = InvalidReplicationFactorError("Replication factor: 3 larger than available brokers: 1.")
+    error.add_note(
+        "creating topic 'p-transactions': 3 partitions, replication factor 3"
+    )  # as topics.py adds it
+    with pytest.raises(OperatorError) as refusal, kafka_errors(cfg):
+        raise error
+    line = str(refusal.value)
+    assert line.startswith("the Kafka cluster at kafka-0:9092 refused a topic (")
+    assert "creating topic 'p-transactions': 3 partitions, replication factor 3" in line
+    assert "Set replication_factor (at most the broker count)" in line and "\n" not in line
+    assert refusal.value.exit_code == 1 and refusal.value.__cause__ is error
+    with (
+        pytest.raises(OperatorError, match=r"refused this client .*Grant its principal the ACLs"),
+        kafka_errors(cfg),
+    ):
+        raise TopicAuthorizationFailedError("p-scores")
+
+
+def test_print_config_needs_no_broker_or_model_and_masks_secrets(tmp_path, monkeypatch, capsys):
+    secret = tmp_path / "password"
+    secret.write_text("hunter2\n")
+    monkeypatch.setenv("TXS_KAFKA_SASL_PASSWORD_FILE", str(secret))
+    monkeypatch.setenv("TXS_GROUP_ID", "scorers-eu")
+    assert (
+        main(["serve", "--print-config", "--model", "models:/txsentinel@champion", "--set", "threshold=1e-1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "hunter2" not in out
+    assert 'group_id:                       "scorers-eu"  # TXS_GROUP_ID' in out
+    assert "threshold:                      0.1  # command line" in out
+    assert 'model_uri:                      "models:/txsentinel@champion"  # command line' in out
+    assert '# kafka_sasl_password:          "********"  # TXS_KAFKA_SASL_PASSWORD_FILE' in out
