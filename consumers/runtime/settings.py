@@ -78,8 +78,11 @@ class ServeConfig:
     # Two live instances must never share one: the later fences the earlier. None: a random id per start.
     instance_id: str | None = None
     # How long the broker keeps a crashed instance's open transaction before aborting it; until then
-    # read_committed readers of its output partitions (and the changelog restore) wait behind it.
-    transaction_timeout_ms: int = 60_000
+    # read_committed readers of its output partitions (and the changelog restore) wait behind it. Below
+    # session_timeout_ms (check_fencing_timeouts): a frozen instance's transaction is aborted, and its
+    # producer fenced, before the group hands its partitions on. The broker looks for expired transactions
+    # every 10 s (transaction.abort.timed.out.transaction.cleanup.interval.ms): 30 s + 10 s < 45 s.
+    transaction_timeout_ms: int = 30_000
     # The producer holds a batch's records until its commit flushes them: with linger below a batch's
     # processing time, kafka-python ships many small requests (and wakes its sender thread per record
     # batch), which on one core competes with scoring for the interpreter.
@@ -185,6 +188,7 @@ class ServeConfig:
             )
         if not self.group_id:
             raise ValueError("serve config: group_id is empty; every service instance needs its group")
+        check_fencing_timeouts(self)
 
     def topic(self, name: str) -> str:
         """The full name of topic `name` ("transactions", "scores", ...), prefix included."""
@@ -193,6 +197,23 @@ class ServeConfig:
     @property
     def kafka_security(self) -> dict[str, str]:
         return dict(self.security)
+
+
+def check_fencing_timeouts(cfg: ServeConfig) -> None:
+    """Refuse a transaction timeout at or above the session timeout.
+
+    An instance that freezes (a GC pause, SIGSTOP, a stalled VM) with a transaction open loses its partitions
+    after session_timeout_ms. Its transaction must be aborted by then, which also fences its producer, so
+    that its successor restores states and offsets the frozen instance can no longer add to when it wakes.
+    """
+    if cfg.transaction_timeout_ms >= cfg.session_timeout_ms:
+        raise ValueError(
+            f"serve config: transaction_timeout_ms = {cfg.transaction_timeout_ms} is not below "
+            f"session_timeout_ms = {cfg.session_timeout_ms}: an instance frozen with a transaction open "
+            "could commit it after the group has handed its partitions to another instance. Lower "
+            "transaction_timeout_ms (by the broker's 10 s check for expired transactions, ideally) or raise "
+            "session_timeout_ms"
+        )
 
 
 def parse_settings(items: list[str] | None) -> dict[str, Any]:

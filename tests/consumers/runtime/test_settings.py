@@ -92,3 +92,23 @@ def test_the_message_settings_are_the_decoders_limits_with_the_same_defaults(tmp
     assert limits.earliest_us == parse_ts("2020-01-01T00:00:00Z", "earliest_ts")
     with pytest.raises(ValueError, match="max_amount = 1e\\+20: expected at most 1e15"):
         MessageLimits.of(load_serve_config(None, overrides={"max_amount": 1e20}, env={}))
+
+
+def test_the_transaction_timeout_is_below_the_session_timeout_by_default_and_must_stay_so():
+    # A frozen instance's transaction is aborted (its producer fenced) before its partitions move on.
+    cfg = ServeConfig()
+    assert cfg.transaction_timeout_ms + 10_000 < cfg.session_timeout_ms  # + the broker's expiry check
+    for transaction, session in ((45_000, 45_000), (60_000, 45_000), (8_000, 6_000)):
+        with pytest.raises(ValueError) as refused:
+            load_serve_config(
+                None,
+                overrides={"transaction_timeout_ms": transaction, "session_timeout_ms": session},
+                env={},
+            )
+        message = str(refused.value)
+        assert f"transaction_timeout_ms = {transaction}" in message
+        assert f"session_timeout_ms = {session}" in message
+    lowered = load_serve_config(
+        None, overrides={"transaction_timeout_ms": 5000, "session_timeout_ms": 6000}, env={}
+    )
+    assert (lowered.transaction_timeout_ms, lowered.session_timeout_ms) == (5000, 6000)
