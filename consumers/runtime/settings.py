@@ -96,6 +96,10 @@ class ServeConfig:
     # back when their account returns (consumers/service/dormant.py). An account's state record is ~1.6 KB for the
     # default LSTM and ~9.3 KB for the default linear Transformer; a dormant account costs ~190 bytes.
     max_states_in_memory: int = 500_000
+    # The same cap in bytes: a state's size is fixed per detector (Scorer.state_bytes_per_account measures
+    # it: ~2.2 KB an account for the default LSTM, ~9.9 KB for the linear Transformer, ~67 KB for the softmax
+    # Transformer's window), so memory holds min(max_states_in_memory, this // that) accounts.
+    max_state_bytes_in_memory: int = 8 * 2**30
     restore_timeout_s: float = 300.0  # per assignment: reading the changelog partitions of new partitions
     threshold: float | None = None  # alert threshold on the probability; None: the model's own
     # What a valid transaction or label is: anything else goes to dead-letter with the reason. The same names
@@ -148,6 +152,7 @@ class ServeConfig:
             ("terminal_deltas_retention_ms", 60_000),
             ("terminal_feed_interval_ms", 0),  # 0: before every batch
             ("max_states_in_memory", 1),
+            ("max_state_bytes_in_memory", 1),
             ("max_message_bytes", 64),
             ("max_json_depth", 1),
             ("max_id_chars", 1),
