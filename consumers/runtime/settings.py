@@ -58,6 +58,11 @@ class ServeConfig:
     # about this long of its commit. Each read costs a fetch round trip on the scorer's core, so reading
     # before every batch (0) is dearest where batches are small: at a trickle, where latency is decided.
     terminal_feed_interval_ms: int = 250
+    # A labels or terminal-deltas position that has left its log (the table writer was down longer than the
+    # deltas' retention, or labels were deleted unread): "fail" stops the reader with what was lost; "earliest"
+    # goes on from the first record still there, logging and counting the records lost
+    # (txsentinel_feed_records_lost_total). Never a silent jump. docs/operations.md, "Lost feed positions".
+    lost_feed_position: str = "fail"
     # Used only when the service creates a missing transactions topic; an existing one keeps its own.
     transactions_partitions: int = 3
     replication_factor: int = 1
@@ -185,6 +190,11 @@ class ServeConfig:
             raise ValueError(
                 f"serve config: key_mismatch = {self.key_mismatch!r}, expected 'dead-letter' or 'rekey' (write "
                 "the record again under its account's key)"
+            )
+        if self.lost_feed_position not in ("fail", "earliest"):
+            raise ValueError(
+                f"serve config: lost_feed_position = {self.lost_feed_position!r}, expected 'fail' (stop with what "
+                "was lost) or 'earliest' (go on from the first record still in the log, counting what was lost)"
             )
         if self.terminal_table_writer not in ("embedded", "external"):
             raise ValueError(

@@ -133,7 +133,8 @@ class _Service(Restore, Transactions, Bookkeeping):
         co_partitioned = counts["scores"] == counts["alerts"] == self.partitions
         self.feed = FeedReader.connect(
             bootstrap, "txsentinel-serve-feed", self.restorer, cfg.topic("labels"), cfg.topic("terminal_deltas"),
-            cfg.restore_timeout_s, MessageLimits.of(cfg), **security,
+            cfg.restore_timeout_s, MessageLimits.of(cfg), cfg.lost_feed_position,
+            lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records), **security,
         )  # fmt: skip
         self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics)
         self.batches = BatchScorer(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from kafka import KafkaProducer
 from kafka.serializer import DefaultSerializer
 
-from consumers.runtime.compacted import Reader
+from consumers.runtime.compacted import PositionLostError, Reader
 from consumers.runtime.metrics import Metrics, MetricsServer
 from consumers.runtime.settings import ServeConfig
 from consumers.runtime.signals import stop_on_signals
@@ -102,7 +102,10 @@ class TerminalTableWriter:
                 then = (
                     "stopping" if stop.is_set() else f"starting again from the table in {RETRY_AFTER_S:.0f} s"
                 )
-                log.warning(
+                # A lost position fails every run alike until someone acts (its message says how): an error.
+                level = logging.ERROR if isinstance(error, PositionLostError) else logging.WARNING
+                log.log(
+                    level,
                     "terminal table writer failed error=%r; %s (what it had not flushed is still in the "
                     "deltas and labels after the table's positions)",
                     error, then, exc_info=log.isEnabledFor(logging.DEBUG),
@@ -126,7 +129,8 @@ class TerminalTableWriter:
             reader = Reader.connect(self.bootstrap, "txsentinel-terminal-writer", **security)
             feed = FeedReader.connect(
                 self.bootstrap, "txsentinel-terminal-writer-feed", reader, cfg.topic("labels"),
-                cfg.topic("terminal_deltas"), cfg.restore_timeout_s, MessageLimits.of(cfg), **security,
+                cfg.topic("terminal_deltas"), cfg.restore_timeout_s, MessageLimits.of(cfg), cfg.lost_feed_position,
+                lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records), **security,
             )  # fmt: skip
             featurizer = StreamingFeaturizer()
             feed.start_from_table(featurizer, reader, cfg.topic("terminal_table"))
