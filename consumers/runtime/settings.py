@@ -63,6 +63,11 @@ class ServeConfig:
     # goes on from the first record still there, logging and counting the records lost
     # (txsentinel_feed_records_lost_total). Never a silent jump. docs/operations.md, "Lost feed positions".
     lost_feed_position: str = "fail"
+    # A terminal with no event and no fraud report for this many days (before the newest event day seen) leaves
+    # every scorer's memory, and the table writer writes its tombstone: the table stops growing. More than
+    # the longest terminal window (30 days), so evicting changes no feature of an event at most this many
+    # days minus 30 older than the newest (consumers/terminals/idle.py). 0: never.
+    terminal_idle_days: int = 90
     # Used only when the service creates a missing transactions topic; an existing one keeps its own.
     transactions_partitions: int = 3
     replication_factor: int = 1
@@ -156,6 +161,7 @@ class ServeConfig:
             ("fresh_fetch_ms", 0),  # 0: off
             ("terminal_deltas_retention_ms", 60_000),
             ("terminal_feed_interval_ms", 0),  # 0: before every batch
+            ("terminal_idle_days", 0),  # 0: never; else more than 30 (consumers/terminals/idle.py)
             ("max_states_in_memory", 1),
             ("max_state_bytes_in_memory", 1),
             ("max_message_bytes", 64),

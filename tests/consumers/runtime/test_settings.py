@@ -67,6 +67,9 @@ def test_secrets_are_refused_in_a_file_and_taken_from_the_environment_only(tmp_p
         ("max_ts_skew_s", 0, "max_ts_skew_s = 0, expected a finite number > 0"),
         ("max_json_depth", 0, "max_json_depth = 0, expected an integer >= 1"),
         ("key_mismatch", "drop", "key_mismatch = 'drop', expected 'dead-letter' or 'rekey'"),
+        ("lost_feed_position", "latest", "lost_feed_position = 'latest', expected 'fail'"),
+        ("terminal_idle_days", -1, "terminal_idle_days = -1, expected an integer >= 0"),
+        ("max_state_bytes_in_memory", 0, "max_state_bytes_in_memory = 0, expected an integer >= 1"),
     ],
 )
 def test_a_bad_value_is_refused_with_its_name(setting, value, message):
