@@ -222,7 +222,7 @@ class BatchScorer:
         self.feed_read_at = now
         got = self.feed.read(self.session)
         got.fold_into(self.scorer.featurizer)
-        evicted = self.eviction.evict(self.scorer.featurizer.terminals)
+        evicted = self.eviction.evict(self.scorer.featurizer.terminals, now)
         if evicted:
             log.info(
                 "idle terminals evicted terminals=%d kept=%d",

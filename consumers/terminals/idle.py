@@ -53,9 +53,10 @@ class TerminalEviction:
         self.checked_at = -math.inf  # time.monotonic() of the last scan
         self.evicted = 0  # since the start
 
-    def evict(self, table: StateTable, force: bool = False) -> list[str]:
-        """Remove the idle terminals from `table`, at most every `every_s` unless `force`; their ids."""
-        now = time.monotonic()
+    def evict(self, table: StateTable, now: float | None = None, force: bool = False) -> list[str]:
+        """Remove the idle terminals from `table`, at most every `every_s` (of time.monotonic(), or `now`
+        when the caller has read it) unless `force`; their ids."""
+        now = time.monotonic() if now is None else now
         if self.idle_days == 0 or not (force or now - self.checked_at >= self.every_s):
             return []
         self.checked_at = now
