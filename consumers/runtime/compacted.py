@@ -8,6 +8,11 @@ beyond. Stopping there would miss them, so the read waits until the transaction 
 or aborts; the broker aborts a crashed producer's after its transaction_timeout_ms; a successor with the
 same transactional id aborts it at once). Aborted records never count. A deadline turns a stuck restore
 into an error that says how far it got; progress is logged on long restores.
+
+No internal reader ever jumps silently: their consumers have no offset reset policy (auto_offset_reset
+'none'), so a position that has left its partition's log (records deleted under it, the topic recreated)
+raises PositionLostError, naming the partition, the position, where the log now starts and how many records
+are gone, instead of moving to the log's end (kafka-python's default) and skipping them unsaid.
 """
 
 import logging
@@ -16,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kafka import KafkaConsumer
+from kafka.errors import OffsetOutOfRangeError
 from kafka.structs import TopicPartition
 
 log = logging.getLogger(__name__)
@@ -23,17 +29,60 @@ log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 5.0
 
 
+class PositionLostError(RuntimeError):
+    """A reader's position is no longer in its partition's log: records it had not read were deleted, or the
+    topic was recreated. The message names each partition and says what to do."""
+
+
 def group_less_consumer(
     bootstrap: str, client_id: str, isolation_level: str = "read_committed", **settings
 ) -> KafkaConsumer:
-    """A consumer that is assigned partitions by hand: no group, nothing committed."""
+    """A consumer that is assigned partitions by hand: no group, nothing committed, and no offset reset (a
+    lost position raises OffsetOutOfRangeError from poll: lost_positions says where)."""
     return KafkaConsumer(
         bootstrap_servers=bootstrap,
         isolation_level=isolation_level,
         enable_auto_commit=False,
+        auto_offset_reset="none",
         client_id=client_id,
         **settings,
     )
+
+
+def lost_positions(
+    error: OffsetOutOfRangeError, watermarks: KafkaConsumer
+) -> dict[TopicPartition, tuple[int, int, int]]:
+    """{partition: (position, the log's first offset, its end offset)} of each partition `error` names."""
+    positions = error.args[0] if error.args and isinstance(error.args[0], dict) else {}
+    tps = list(positions)
+    first, end = watermarks.beginning_offsets(tps), watermarks.end_offsets(tps)
+    return {tp: (positions[tp], first[tp], end[tp]) for tp in tps}
+
+
+def describe_lost(lost: dict[TopicPartition, tuple[int, int, int]]) -> str:
+    """One clause per partition: where the reader was, where the log is, what is gone."""
+    parts = []
+    for tp, (position, first, end) in sorted(lost.items()):
+        where = f"{tp.topic!r} partition {tp.partition} at offset {position}"
+        if position < first:
+            parts.append(
+                f"{where}: the log now starts at {first}, so {first - position} records were deleted unread"
+            )
+        else:
+            parts.append(f"{where}: the log now ends at {end}, so the topic was recreated or truncated")
+    return "; ".join(parts)
+
+
+def _poll(reader: "Reader", timeout_ms: int, topic: str) -> dict:
+    try:
+        return reader.committed.poll(timeout_ms=timeout_ms)
+    except OffsetOutOfRangeError as error:
+        raise PositionLostError(
+            f"reading compacted topic {topic!r}: {describe_lost(lost_positions(error, reader.watermarks))}. A "
+            "state topic must keep every key's last record for ever: check that its cleanup.policy is compact "
+            "and retention.ms is -1, and that nothing deletes its records; then restore the topic, or point "
+            "the setting naming it at a new topic and replay"
+        ) from None
 
 
 @dataclass
@@ -132,7 +181,7 @@ def read_at(
                 if position.get(tp) != min(keys_at):  # not again while its fetch is on the way
                     position[tp] = min(keys_at)
                     consumer.seek(tp, position[tp])
-            for tp, records in consumer.poll(timeout_ms=200).items():
+            for tp, records in _poll(reader, 200, topic).items():
                 keys_at = pending.get(tp, {})
                 for record in records:
                     key = keys_at.pop(record.offset, None)
@@ -192,7 +241,7 @@ def _records(
                 "restore progress topic=%s partitions=%s records=%d end=%s", topic, partitions, read, end
             )
             next_log = now + PROGRESS_EVERY_S
-        for records in consumer.poll(timeout_ms=200).values():
+        for records in _poll(reader, 200, topic).values():
             for record in records:
                 if record.key is None:
                     raise ValueError(

@@ -58,6 +58,14 @@ METRICS = {
         "counter",
         "Other scorers' batches of terminal event counts folded into this instance's terminal state.",
     ),
+    "txsentinel_feed_records_lost_total": (
+        "counter",
+        "Labels and terminal-delta records deleted before this process read them (lost_feed_position: earliest).",
+    ),
+    "txsentinel_terminals_evicted_total": (
+        "counter",
+        "Idle terminals deleted from the terminal table, a tombstone each (terminal_idle_days; the table writer).",
+    ),
     "txsentinel_terminal_table_flushes_total": (
         "counter",
         "Transactions of the terminal table writer (only the instance that owns transactions partition 0).",

@@ -68,6 +68,16 @@ class ServeConfig:
     # about this long of its commit. Each read costs a fetch round trip on the scorer's core, so reading
     # before every batch (0) is dearest where batches are small: at a trickle, where latency is decided.
     terminal_feed_interval_ms: int = 250
+    # A labels or terminal-deltas position that has left its log (the table writer was down longer than the
+    # deltas' retention, or labels were deleted unread): "fail" stops the reader with what was lost; "earliest"
+    # goes on from the first record still there, logging and counting the records lost
+    # (txsentinel_feed_records_lost_total). Never a silent jump. docs/operations.md, "Lost feed positions".
+    lost_feed_position: str = "fail"
+    # A terminal with no event and no fraud report for this many days (before the newest event day seen) leaves
+    # every scorer's memory, and the table writer writes its tombstone: the table stops growing. More than
+    # the longest terminal window (30 days), so evicting changes no feature of an event at most this many
+    # days minus 30 older than the newest (consumers/terminals/idle.py). 0: never.
+    terminal_idle_days: int = 90
     # Used only when the service creates a missing transactions topic; an existing one keeps its own.
     transactions_partitions: int = 3
     replication_factor: int = 1
@@ -88,8 +98,11 @@ class ServeConfig:
     # Two live instances must never share one: the later fences the earlier. None: a random id per start.
     instance_id: str | None = None
     # How long the broker keeps a crashed instance's open transaction before aborting it; until then
-    # read_committed readers of its output partitions (and the changelog restore) wait behind it.
-    transaction_timeout_ms: int = 60_000
+    # read_committed readers of its output partitions (and the changelog restore) wait behind it. Below
+    # session_timeout_ms (check_fencing_timeouts): a frozen instance's transaction is aborted, and its
+    # producer fenced, before the group hands its partitions on. The broker looks for expired transactions
+    # every 10 s (transaction.abort.timed.out.transaction.cleanup.interval.ms): 30 s + 10 s < 45 s.
+    transaction_timeout_ms: int = 30_000
     # The producer holds a batch's records until its commit flushes them: with linger below a batch's
     # processing time, kafka-python ships many small requests (and wakes its sender thread per record
     # batch), which on one core competes with scoring for the interpreter.
@@ -103,6 +116,10 @@ class ServeConfig:
     # back when their account returns (consumers/service/dormant.py). An account's state record is ~1.6 KB for the
     # default LSTM and ~9.3 KB for the default linear Transformer; a dormant account costs ~190 bytes.
     max_states_in_memory: int = 500_000
+    # The same cap in bytes: a state's size is fixed per detector (Scorer.state_bytes_per_account measures
+    # it: ~2.2 KB an account for the default LSTM, ~9.9 KB for the linear Transformer, ~67 KB for the softmax
+    # Transformer's window), so memory holds min(max_states_in_memory, this // that) accounts.
+    max_state_bytes_in_memory: int = 8 * 2**30
     restore_timeout_s: float = 300.0  # per assignment: reading the changelog partitions of new partitions
     threshold: float | None = None  # alert threshold on the probability; None: the model's own
     # What a valid transaction or label is: anything else goes to dead-letter with the reason. The same names
@@ -168,7 +185,9 @@ class ServeConfig:
             ("fresh_fetch_ms", 0),  # 0: off
             ("terminal_deltas_retention_ms", 60_000),
             ("terminal_feed_interval_ms", 0),  # 0: before every batch
+            ("terminal_idle_days", 0),  # 0: never; else more than 30 (consumers/terminals/idle.py)
             ("max_states_in_memory", 1),
+            ("max_state_bytes_in_memory", 1),
             ("max_message_bytes", 64),
             ("max_json_depth", 1),
             ("max_id_chars", 1),
@@ -202,6 +221,11 @@ class ServeConfig:
                 f"serve config: key_mismatch = {self.key_mismatch!r}, expected 'dead-letter' or 'rekey' (write "
                 "the record again under its account's key)"
             )
+        if self.lost_feed_position not in ("fail", "earliest"):
+            raise ValueError(
+                f"serve config: lost_feed_position = {self.lost_feed_position!r}, expected 'fail' (stop with what "
+                "was lost) or 'earliest' (go on from the first record still in the log, counting what was lost)"
+            )
         if self.terminal_table_writer not in ("embedded", "external"):
             raise ValueError(
                 f"serve config: terminal_table_writer = {self.terminal_table_writer!r}, expected 'embedded' "
@@ -209,6 +233,7 @@ class ServeConfig:
             )
         if not self.group_id:
             raise ValueError("serve config: group_id is empty; every service instance needs its group")
+        check_fencing_timeouts(self)
         self._check_kafka()
         for f in dataclasses.fields(self):  # last: the checks above say more about the values they know
             check_type(f.name, getattr(self, f.name), f.type)
@@ -277,6 +302,23 @@ def check_type(name: str, value: Any, hint: Any) -> None:
             return
     expected = " or ".join(_TYPE_NAMES.get(kind, str(kind)) for kind in allowed)
     raise ValueError(f"serve config: {name} = {value!r}, expected {expected}")
+
+
+def check_fencing_timeouts(cfg: ServeConfig) -> None:
+    """Refuse a transaction timeout at or above the session timeout.
+
+    An instance that freezes (a GC pause, SIGSTOP, a stalled VM) with a transaction open loses its partitions
+    after session_timeout_ms. Its transaction must be aborted by then, which also fences its producer, so
+    that its successor restores states and offsets the frozen instance can no longer add to when it wakes.
+    """
+    if cfg.transaction_timeout_ms >= cfg.session_timeout_ms:
+        raise ValueError(
+            f"serve config: transaction_timeout_ms = {cfg.transaction_timeout_ms} is not below "
+            f"session_timeout_ms = {cfg.session_timeout_ms}: an instance frozen with a transaction open "
+            "could commit it after the group has handed its partitions to another instance. Lower "
+            "transaction_timeout_ms (by the broker's 10 s check for expired transactions, ideally) or raise "
+            "session_timeout_ms"
+        )
 
 
 def parse_settings(items: list[str] | None) -> dict[str, Any]:

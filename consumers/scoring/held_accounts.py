@@ -6,6 +6,10 @@ each changed account after a batch (take_changed, account_states_bytes), read ba
 (restore_account), and let go when its partition leaves or memory is full (evict). A checkpoint of some
 accounts and terminals puts them back as they were (rollback): the service's last resort scores events one
 at a time under one.
+
+What an account costs in memory is fixed per detector (a state's size never depends on history length):
+state_bytes_per_account measures it, so a cap in bytes is a cap on the number of accounts held
+(states_within).
 """
 
 import dataclasses
@@ -15,9 +19,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from consumers.scoring.account_state import decode_account_record, encode_account_records
+from consumers.scoring.account_state import (
+    RECENT_EVENT_IDS,
+    decode_account_record,
+    encode_account_records,
+)
 from models.state_codec import decode_account_state, encode_state_rows
+from pipeline.features.state import ACCOUNT_STATE
 from pipeline.features.stream_batches import FeaturizerCheckpoint
+
+# Beside its state: the account's id and its entries in the dicts that find its store row, its featurizer
+# record and its dormant place (tracemalloc: ~390 bytes an account with 13-character ids).
+ACCOUNT_OVERHEAD_BYTES = 400
+# The store's numpy bookkeeping per row: partition, offset, newest ts, the recent-ids ring and its next slot.
+STORE_ROW_BYTES = 8 * (4 + RECENT_EVENT_IDS)
 
 
 @dataclass(frozen=True)
@@ -38,6 +53,25 @@ class HeldAccounts:
     @property
     def accounts_in_memory(self) -> KeysView[str]:
         return self.store.accounts()
+
+    @property
+    def state_bytes_per_account(self) -> int:
+        """Bytes of memory one held account takes: its detector state (the store row, e.g. ~1 KB for the
+        default LSTM, ~64 KB for the softmax Transformer's window), its featurizer record, the store's
+        bookkeeping and ACCOUNT_OVERHEAD_BYTES."""
+        return self.store.row_bytes + ACCOUNT_STATE.itemsize + STORE_ROW_BYTES + ACCOUNT_OVERHEAD_BYTES
+
+    def states_within(self, max_states: int, max_bytes: int) -> int:
+        """How many account states memory holds under both caps (max_states_in_memory,
+        max_state_bytes_in_memory); ValueError when the byte cap holds none."""
+        per_account = self.state_bytes_per_account
+        fit = max_bytes // per_account
+        if fit < 1:
+            raise ValueError(
+                f"max_state_bytes_in_memory = {max_bytes} holds no account state: one takes {per_account} "
+                f"bytes with this {self.detector.name!r} model; raise it to a multiple of that"
+            )
+        return min(max_states, fit)
 
     def take_changed(self) -> set[str]:
         """The changed accounts, forgetting them: call when their state records have been produced."""

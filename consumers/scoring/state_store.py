@@ -3,8 +3,9 @@
 A micro-batch is applied by the detector's step_in_place on the rows where the states lie: in rounds of one
 event an account by default (each round one gather, batched step and scatter, so a round costs one batched
 call however many accounts are in memory), in one pass per layer for the linear Transformer on CPU. Rows:
-account -> row through a dict; capacity doubles when full; an evicted account's row goes to a free list and
-is reset to init_state when reused.
+account -> row through a dict; capacity doubles when full, up to `row_limit` when one is set (the service
+sets what its memory cap holds, so doubling never allocates far beyond it); an evicted account's row goes to
+a free list and is reset to init_state when reused.
 
 Beside each row: the account's last applied source position (partition, offset) and the newest event ts
 applied, as numpy arrays [capacity], and the hashes of its last RECENT_EVENT_IDS event ids as a ring
@@ -43,10 +44,17 @@ class StateStore:
         self._free: list[int] = []
         self._used = 0  # rows 0 .. _used - 1 have been handed out at least once
         self._buffers: State = {}  # gather's output buffers, [rows of the largest gather so far, ...]
+        # Doubling stops here once (None: never); should more rows still be needed, it doubles on from there.
+        self.row_limit: int | None = None
 
     @property
     def capacity(self) -> int:
         return len(self.offset)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one account's detector state."""
+        return sum(value.numel() * value.element_size() for value in self._init.values())
 
     def accounts(self) -> KeysView[str]:
         return self.slot_of.keys()
@@ -83,8 +91,10 @@ class StateStore:
 
     @torch.inference_mode()
     def _grow(self) -> None:
-        # Doubling: a copy of the store now and then, amortised O(1) per new account.
+        # Doubling: a copy of the store now and then, amortised O(1) per new account; stopping at row_limit.
         added = self.capacity
+        if self.row_limit is not None and self.capacity < self.row_limit:
+            added = min(added, self.row_limit - self.capacity)
         for key, value in self.states.items():
             fresh = self._init[key].expand(added, *value.shape[1:])
             self.states[key] = torch.cat([value, fresh])

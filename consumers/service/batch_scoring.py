@@ -4,7 +4,8 @@ In memory only: nothing is sent here (consumers/service/commit_pipeline.py sends
 has returned). In order:
 1. every `terminal_feed_interval_ms`, the labels and the other instances' terminal deltas that have arrived
    are applied to the terminal state (consumers/terminals/feed.py; records of either that do not decode are
-   skipped, and the table writer dead-letters them);
+   skipped, and the table writer dead-letters them); now and then, idle terminals leave it
+   (consumers/terminals/idle.py);
 2. each message is decoded and validated against the message settings (bad ones: dead letters with the
    reason and the original bytes), and its key checked against its account_id (key_mismatch: a dead letter,
    or the record written again under its account's key); accounts of the batch that memory let go of are
@@ -43,6 +44,7 @@ from consumers.service.commit_pipeline import OutputRecord, ScoredBatch
 from consumers.service.dormant import DormantStates, Place
 from consumers.terminals.deltas import encode_deltas
 from consumers.terminals.feed import FeedReader
+from consumers.terminals.idle import TerminalEviction
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,9 @@ class BatchScorer:
         self.seq = 0  # the last batch's
         self.feed_interval_s = cfg.terminal_feed_interval_ms / 1000
         self.feed_read_at = -math.inf  # time.monotonic() of the last read of the feed
+        self.eviction = TerminalEviction(
+            cfg.terminal_idle_days
+        )  # refuses a setting that would change features
         self.model_version = model_version
         self.limits = MessageLimits.of(cfg)  # refuses bounds it cannot keep, before the service starts
         self.rekey = cfg.key_mismatch == "rekey"
@@ -217,6 +222,13 @@ class BatchScorer:
         self.feed_read_at = now
         got = self.feed.read(self.session)
         got.fold_into(self.scorer.featurizer)
+        evicted = self.eviction.evict(self.scorer.featurizer.terminals, now)
+        if evicted:
+            log.info(
+                "idle terminals evicted terminals=%d kept=%d",
+                len(evicted),
+                len(self.scorer.featurizer.terminals),
+            )
         return len(got.labels), len(got.deltas)
 
 

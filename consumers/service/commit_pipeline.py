@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaError
+from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,13 @@ class TransactionPipeline:
         #   3. commit_transaction() flushes every held record, then writes the commit markers; read_committed
         #      readers see all outputs and the new offsets at once, or (on abort or crash) none of them.
         started = time.monotonic()
+        if getattr(group_metadata, "generation_id", 0) < 0:
+            # The consumer has fallen out of the group (it was frozen past its session timeout, say) and reset
+            # its generation to -1. The broker takes a transactional offset commit of generation -1 without
+            # fencing it, so this member's offsets would land over its successor's: not here.
+            raise CommitFailedError(
+                "this member has left the group (generation -1): its batch is aborted, and it rejoins"
+            )
         self.producer.send_offsets_to_transaction(offsets, group_metadata)
         self.producer.commit_transaction()
         return time.time() * 1000.0, time.monotonic() - started

@@ -102,7 +102,15 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.bootstrap = self.transactional_id = ""  # set by start()
         self.failures = 0  # batches aborted in a row (commit refusals by the group aside)
         self.batches: BatchScorer | None = None  # polled batch -> records to send; built in start()
-        self.dormant = DormantStates(cfg.max_states_in_memory)
+        # Memory's cap in accounts, from both caps (count and bytes); the store stops doubling there, with
+        # room for the two batches not yet committed.
+        capacity = self.scorer.states_within(cfg.max_states_in_memory, cfg.max_state_bytes_in_memory)
+        self.scorer.store.row_limit = capacity + 2 * cfg.max_poll_records
+        self.dormant = DormantStates(capacity)
+        log.info(
+            "state memory cap accounts=%d bytes_per_account=%d (max_states_in_memory=%d max_state_bytes_in_memory=%d)",
+            capacity, self.scorer.state_bytes_per_account, cfg.max_states_in_memory, cfg.max_state_bytes_in_memory,
+        )  # fmt: skip
         self.rebalance_callbacks = 0  # revocations and assignments seen: _top_up checks for one in between
         # {partition: offset}: a batch that failed in scoring held records up to these offsets; read again,
         # they are scored one event at a time (the last resort: consumers/service/batch_scoring.py)
@@ -125,7 +133,8 @@ class _Service(Restore, Transactions, Bookkeeping):
         co_partitioned = counts["scores"] == counts["alerts"] == self.partitions
         self.feed = FeedReader.connect(
             bootstrap, "txsentinel-serve-feed", self.restorer, cfg.topic("labels"), cfg.topic("terminal_deltas"),
-            cfg.restore_timeout_s, MessageLimits.of(cfg), **security,
+            cfg.restore_timeout_s, MessageLimits.of(cfg), cfg.lost_feed_position,
+            lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records), **security,
         )  # fmt: skip
         self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics)
         self.batches = BatchScorer(

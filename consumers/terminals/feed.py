@@ -10,17 +10,31 @@ Two ways to read (FeedReader.read):
 - otherwise one poll: whatever has arrived. The scorers read this way every `terminal_feed_interval_ms`, so
   a label or another instance's batch counts for the events scored after it arrives: there is no global
   order to keep between a label, or another instance's events, and this instance's events.
+
+A position that has left its log (the writer was down longer than the deltas' retention, or labels were
+deleted unread) is never skipped unsaid: with `lost_feed_position: fail` (the default) the read raises
+PositionLostError naming the partition and the records gone; with `earliest` the reader goes on from the
+first record still there, logs an error and counts the records lost (on_lost: the service's
+txsentinel_feed_records_lost_total). docs/operations.md says which to choose, and when.
 """
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from kafka import KafkaConsumer
+from kafka.errors import OffsetOutOfRangeError
 from kafka.structs import TopicPartition
 
-from consumers.runtime.compacted import Reader, group_less_consumer
+from consumers.runtime.compacted import (
+    PositionLostError,
+    Reader,
+    describe_lost,
+    group_less_consumer,
+    lost_positions,
+)
 from consumers.scoring.messages import Label, MessageError, MessageLimits, decode_label
 from consumers.terminals.deltas import decode_deltas
 from consumers.terminals.table import Positions, read_table
@@ -97,13 +111,21 @@ class FeedReader:
         deltas_topic: str,
         timeout_s: float,
         limits: MessageLimits | None = None,
+        lost_position: str = "fail",
+        on_lost: Callable[[int], None] | None = None,
     ):
-        """`consumer`: read_committed, no group, fetches the topics. `offsets`: consumers only asked how far
-        partitions go, never fetching between reads: the broker answers a connection's requests in order,
-        and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets request would wait too.
-        `limits`: what a valid label is (ServeConfig's message settings; default MessageLimits())."""
+        """`consumer`: read_committed, no group, no offset reset, fetches the topics. `offsets`: consumers
+        only asked how far partitions go, never fetching between reads: the broker answers a connection's
+        requests in order, and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets
+        request would wait too. `limits`: what a valid label is (ServeConfig's message settings; default
+        MessageLimits()). `lost_position`, `on_lost(records)`: what a position that left its log does
+        (module docstring)."""
+        if lost_position not in ("fail", "earliest"):
+            raise ValueError(f"lost_position = {lost_position!r}, expected 'fail' or 'earliest'")
         self.consumer, self.offsets, self.timeout_s = consumer, offsets, timeout_s
         self.limits = MessageLimits() if limits is None else limits
+        self.lost_position, self.on_lost = lost_position, on_lost
+        self.records_lost = 0  # skipped under lost_position 'earliest', since the start
         self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
         self.label_tps = self._partitions(labels_topic)
         self.delta_tps = self._partitions(deltas_topic)
@@ -112,11 +134,12 @@ class FeedReader:
     @classmethod
     def connect(
         cls, bootstrap: str, client_id: str, offsets: Reader, labels_topic: str, deltas_topic: str,
-        timeout_s: float, limits: MessageLimits | None = None, **settings,
+        timeout_s: float, limits: MessageLimits | None = None, lost_position: str = "fail",
+        on_lost: Callable[[int], None] | None = None, **settings,
     ) -> "FeedReader":  # fmt: skip
         """A reader with a consumer of its own (closed by close())."""
         consumer = group_less_consumer(bootstrap, client_id, **settings)
-        return cls(consumer, offsets, labels_topic, deltas_topic, timeout_s, limits)
+        return cls(consumer, offsets, labels_topic, deltas_topic, timeout_s, limits, lost_position, on_lost)
 
     def close(self) -> None:
         self.consumer.close()
@@ -166,7 +189,7 @@ class FeedReader:
             self.offsets.watermarks.end_offsets(self.label_tps + self.delta_tps) if to_high_watermark else {}
         )
         out = FeedRead()
-        self._take(self.consumer.poll(timeout_ms=0), session, out)  # what has arrived
+        self._take(self._poll(0), session, out)  # what has arrived
         while any(self.consumer.position(tp) < offset for tp, offset in end.items()):
             if time.monotonic() - started > timeout_s:
                 left = {
@@ -177,8 +200,33 @@ class FeedReader:
                     "a transaction still open there holds the read (the broker aborts a crashed producer's "
                     "after its transaction_timeout_ms); raise restore_timeout_s or check the broker"
                 )
-            self._take(self.consumer.poll(timeout_ms=100), session, out)
+            self._take(self._poll(100), session, out)
         return out
+
+    def _poll(self, timeout_ms: int) -> dict:
+        try:
+            return self.consumer.poll(timeout_ms=timeout_ms)
+        except OffsetOutOfRangeError as error:
+            lost = lost_positions(error, self.offsets.watermarks)
+        what = describe_lost(lost)
+        if self.lost_position == "fail" or any(position >= first for position, first, _ in lost.values()):
+            raise PositionLostError(
+                f"reading labels and terminal deltas: {what}. Terminal counts would miss them. Keep "
+                "terminal_deltas_retention_ms (and the labels topic's retention) longer than any outage of the "
+                "table writer; to accept the loss and go on from the first record still there, start every "
+                "instance and the writer once with lost_feed_position: earliest (docs/operations.md). A recreated "
+                "topic: point terminal_table_topic at a new topic too"
+            )
+        for tp, (position, first, _) in lost.items():
+            self.consumer.seek(tp, first)
+            self.records_lost += first - position
+            if self.on_lost is not None:
+                self.on_lost(first - position)
+        log.error(
+            "reading labels and terminal deltas: %s; went on from the log's start (lost_feed_position: earliest)",
+            what,
+        )
+        return {}
 
     def _take(self, batch: dict, session: bytes | None, out: FeedRead) -> None:
         now_us = time.time_ns() // 1000  # the clock label_ts and the deltas' days are bounded by

@@ -14,8 +14,10 @@ the feed to its positions, then fold what arrives. Every `flush_s`, when somethi
 writes the changed terminals, the labels and delta records that do not decode to `dead-letter` (the writer is
 the one reader that dead-letters them, so each goes there once however many instances read it), and the
 positions, last. The table is then
-exactly the fold of everything before its positions. A failed run (broker away, fenced) is logged and
-started again after a pause, from the table. On stop it drains what has arrived and flushes.
+exactly the fold of everything before its positions, less the idle terminals: every EVICT_EVERY_S a flush
+also deletes those (consumers/terminals/idle.py) with a tombstone each, so the table does not grow for ever.
+A failed run (broker away, fenced) is logged and started again after a pause, from the table. On stop it
+drains what has arrived and flushes.
 """
 
 import logging
@@ -26,13 +28,14 @@ from dataclasses import dataclass
 from kafka import KafkaProducer
 from kafka.serializer import DefaultSerializer
 
-from consumers.runtime.compacted import Reader
+from consumers.runtime.compacted import PositionLostError, Reader
 from consumers.runtime.metrics import Metrics, MetricsServer
 from consumers.runtime.settings import ServeConfig
 from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import ensure_topics
 from consumers.scoring.messages import MessageLimits, dead_letter_value
 from consumers.terminals.feed import FeedRead, FeedReader
+from consumers.terminals.idle import TerminalEviction
 from consumers.terminals.table import flush_records
 from pipeline.features.stream import StreamingFeaturizer
 
@@ -57,6 +60,7 @@ class WriterStats:
     flushes: int = 0
     terminals_written: int = 0
     dead_lettered: int = 0  # labels and delta records that do not decode
+    terminals_evicted: int = 0  # idle terminals deleted from the table (a tombstone each)
     failed_runs: int = 0
 
 
@@ -66,6 +70,9 @@ class TerminalTableWriter:
         # One per deployment (its group): writers of other deployments on the cluster never fence this one.
         self.transactional_id = f"{cfg.transactional_id_prefix}-terminal-table-{cfg.group_id}"
         self.stats = WriterStats()
+        self.eviction = TerminalEviction(
+            cfg.terminal_idle_days
+        )  # refuses a setting that would change features
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -102,7 +109,10 @@ class TerminalTableWriter:
                 then = (
                     "stopping" if stop.is_set() else f"starting again from the table in {RETRY_AFTER_S:.0f} s"
                 )
-                log.warning(
+                # A lost position fails every run alike until someone acts (its message says how): an error.
+                level = logging.ERROR if isinstance(error, PositionLostError) else logging.WARNING
+                log.log(
+                    level,
                     "terminal table writer failed error=%r; %s (what it had not flushed is still in the "
                     "deltas and labels after the table's positions)",
                     error, then, exc_info=log.isEnabledFor(logging.DEBUG),
@@ -126,7 +136,8 @@ class TerminalTableWriter:
             reader = Reader.connect(self.bootstrap, "txsentinel-terminal-writer", **security)
             feed = FeedReader.connect(
                 self.bootstrap, "txsentinel-terminal-writer-feed", reader, cfg.topic("labels"),
-                cfg.topic("terminal_deltas"), cfg.restore_timeout_s, MessageLimits.of(cfg), **security,
+                cfg.topic("terminal_deltas"), cfg.restore_timeout_s, MessageLimits.of(cfg), cfg.lost_feed_position,
+                lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records), **security,
             )  # fmt: skip
             featurizer = StreamingFeaturizer()
             feed.start_from_table(featurizer, reader, cfg.topic("terminal_table"))
@@ -142,8 +153,10 @@ class TerminalTableWriter:
                 bad += got.bad
                 if stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s:
                     read_to = feed.positions()
-                    if changed or bad or read_to != flushed_at:
-                        self._flush(producer, featurizer, changed, bad, read_to, paced=not stopping)
+                    evicted = self.eviction.evict(featurizer.terminals)
+                    if changed or bad or evicted or read_to != flushed_at:
+                        changed.difference_update(evicted)
+                        self._flush(producer, featurizer, changed, bad, read_to, not stopping, evicted)
                         changed, bad, flushed_at = set(), [], read_to
                     last_flush = time.monotonic()
                 if stopping:
@@ -168,13 +181,15 @@ class TerminalTableWriter:
         changed.update(label.terminal_id for label in got.labels if label.is_fraud)
 
     def _flush(
-        self, producer, featurizer, changed: set[str], bad: list, positions, paced: bool = True
+        self, producer, featurizer, changed: set[str], bad: list, positions, paced: bool = True, evicted=()
     ) -> None:
-        """ONE transaction: the dead letters, the changed terminals, the positions last. `paced`: in chunks
-        with pauses between them (FLUSH_CHUNK); a writer that is stopping flushes at once."""
+        """ONE transaction: the dead letters, the evicted terminals' tombstones, the changed terminals, the
+        positions last. `paced`: in chunks with pauses between them (FLUSH_CHUNK); a writer that is stopping
+        flushes at once."""
         cfg = self.cfg
         table, dead_letter = cfg.topic("terminal_table"), cfg.topic("dead_letter")
         records = [(dead_letter, record.key, dead_letter_value(record, error), None) for record, error in bad]
+        records += [(table, terminal, None, 0) for terminal in sorted(evicted)]  # compaction deletes them
         records += [
             (table, key, value, 0)
             for key, value in flush_records(
@@ -192,9 +207,16 @@ class TerminalTableWriter:
         self.stats.flushes += 1
         self.stats.terminals_written += len(changed)
         self.stats.dead_lettered += len(bad)
+        self.stats.terminals_evicted += len(evicted)
+        self.metrics.inc("txsentinel_terminals_evicted_total", len(evicted))
         self.metrics.inc("txsentinel_terminal_table_flushes_total")
         self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
-        log.debug("terminal table flushed terminals=%d dead_letters=%d", len(changed), len(bad))
+        log.debug(
+            "terminal table flushed terminals=%d tombstones=%d dead_letters=%d",
+            len(changed),
+            len(evicted),
+            len(bad),
+        )
 
 
 def run_writer(cfg: ServeConfig, bootstrap: str, stop_event: threading.Event | None = None) -> WriterStats:

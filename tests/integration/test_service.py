@@ -204,9 +204,9 @@ def test_a_stable_instance_id_aborts_the_transaction_a_crashed_predecessor_left_
 ):
     """The predecessor died with a transaction open on the changelog. Its successor, with the same
     instance_id, aborts it on start; otherwise the changelog restore would wait behind it until
-    transaction_timeout_ms (60 s, the default) ran out."""
+    transaction_timeout_ms (30 s, the default) ran out."""
     cfg = service_cfg(instance_id="scorer-0")
-    assert cfg.transaction_timeout_ms == 60_000
+    assert cfg.transaction_timeout_ms == 30_000
     events = transactions_from_frame(frame.head(200))
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
     ensure_topics(cfg, kafka_bootstrap)
@@ -236,7 +236,7 @@ def test_a_killed_service_loses_nothing_and_scores_nothing_twice(
 ):
     # Short timeouts, or the test waits minutes: the group waits session_timeout_ms (45 s by default) for the
     # dead member before handing its partition on, and its open transaction holds back read_committed
-    # readers (and the next instance's restore) until transaction_timeout_ms (60 s) aborts it.
+    # readers (and the next instance's restore) until transaction_timeout_ms (30 s) aborts it.
     cfg = service_cfg(max_poll_records=5, transaction_timeout_ms=5000, session_timeout_ms=6000)
     events = transactions_from_frame(frame)
     messages = [(t.account_id, encode_transaction(t)) for t in events]

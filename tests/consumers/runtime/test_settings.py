@@ -75,6 +75,9 @@ def test_secrets_are_refused_in_a_file_and_taken_from_the_environment_only(tmp_p
         ("max_ts_skew_s", 0, "max_ts_skew_s = 0, expected a finite number > 0"),
         ("max_json_depth", 0, "max_json_depth = 0, expected an integer >= 1"),
         ("key_mismatch", "drop", "key_mismatch = 'drop', expected 'dead-letter' or 'rekey'"),
+        ("lost_feed_position", "latest", "lost_feed_position = 'latest', expected 'fail'"),
+        ("terminal_idle_days", -1, "terminal_idle_days = -1, expected an integer >= 0"),
+        ("max_state_bytes_in_memory", 0, "max_state_bytes_in_memory = 0, expected an integer >= 1"),
     ],
 )
 def test_a_bad_value_is_refused_with_its_name(setting, value, message):
@@ -200,3 +203,23 @@ def test_every_setting_has_a_row_in_the_configuration_page():
     ]
     assert not undocumented, f"add a row for each to docs/configuration.md, section Serve: {undocumented}"
     assert "`TXS_` and the setting's name in upper case" in page
+
+
+def test_the_transaction_timeout_is_below_the_session_timeout_by_default_and_must_stay_so():
+    # A frozen instance's transaction is aborted (its producer fenced) before its partitions move on.
+    cfg = ServeConfig()
+    assert cfg.transaction_timeout_ms + 10_000 < cfg.session_timeout_ms  # + the broker's expiry check
+    for transaction, session in ((45_000, 45_000), (60_000, 45_000), (8_000, 6_000)):
+        with pytest.raises(ValueError) as refused:
+            load_serve_config(
+                None,
+                overrides={"transaction_timeout_ms": transaction, "session_timeout_ms": session},
+                env={},
+            )
+        message = str(refused.value)
+        assert f"transaction_timeout_ms = {transaction}" in message
+        assert f"session_timeout_ms = {session}" in message
+    lowered = load_serve_config(
+        None, overrides={"transaction_timeout_ms": 5000, "session_timeout_ms": 6000}, env={}
+    )
+    assert (lowered.transaction_timeout_ms, lowered.session_timeout_ms) == (5000, 6000)

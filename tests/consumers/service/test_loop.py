@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from kafka.errors import CommitFailedError, KafkaConnectionError, ProducerFencedError
-from kafka.structs import OffsetAndMetadata, TopicPartition
+from kafka.structs import ConsumerGroupMetadata, MemberState, OffsetAndMetadata, TopicPartition
 
 from consumers.runtime.settings import load_serve_config
 from consumers.service.commit_pipeline import ScoredBatch, TransactionPipeline
@@ -280,6 +280,23 @@ def test_a_commit_the_group_refuses_rejoins_instead_of_counting_as_a_failure():
     service.run(stop)  # four refusals did not stop the service
     assert log.count("rejoined") == 4 and log.count("aborted") == 4 and log.count("rewound 0:1 0:1") == 4
     assert log[-1] == "committed" and service.stats.aborted_batches == 4 and service.stats.batches == 2
+
+
+def test_a_member_that_has_left_the_group_never_commits_offsets_and_rejoins():
+    # A consumer frozen past its session timeout wakes with generation -1; the broker would take a
+    # transactional offset commit of generation -1 unfenced, over its successor's offsets.
+    polls = [({P0: records(0, 1)}, None)] * 4
+    service, log, _, stop = scripted_loop(polls)
+    left = ConsumerGroupMetadata("g", -1, "", None, MemberState.UNJOINED)
+    member = ConsumerGroupMetadata("g", 7, "member-1", None, MemberState.STABLE)
+    snapshots = [left, member, member]
+    service.consumer.group_metadata = lambda: snapshots.pop(0) if snapshots else member
+    service.run(stop)
+    first_commit = log.index("aborted")
+    assert not any(entry.startswith("offsets") for entry in log[:first_commit])  # never sent unfenced
+    assert log[first_commit + 1 : first_commit + 3] == ["rewound 0:1 0:1", "rejoined"]
+    assert "offsets 0:2" in log and log[-1] == "committed"  # as a member again, it commits
+    assert service.stats.aborted_batches == 1
 
 
 def test_the_terminal_table_writer_runs_where_transactions_partition_0_is():

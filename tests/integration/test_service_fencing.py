@@ -1,0 +1,226 @@
+"""A frozen instance is fenced, against the project's real Kafka broker (no mocks).
+
+Instance A runs in a child process and is paused with SIGSTOP while it scores a steady stream, for longer
+than its session timeout; instance B, in the same group, takes A's partitions meanwhile. A is then resumed
+with SIGCONT: whatever it had open or scores on waking must not land (its transaction timed out and its
+producer is fenced; its offsets carry a group generation that has ended). Exactly once must hold: every
+event scored once in the committed output, equal to an uninterrupted run, and every account's last
+committed state record equal to that run's (docs/operations.md, "Fencing a frozen instance").
+
+Every event gets its own terminal, as in test_service_resilience.py (its docstring says why): scores then
+depend on account state only, whichever instance scores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import polars as pl
+import pytest
+from kafka import KafkaAdminClient
+
+from consumers.scoring.account_state import decode_account_record
+from consumers.scoring.messages import Transaction, encode_transaction, transactions_from_frame
+from consumers.scoring.scorer import Scorer
+from models.state_codec import decode_account_state
+from pipeline.bench.broker import REPO_ROOT
+from pipeline.data.generate import GenerateConfig, generate
+from pipeline.features.state import ACCOUNT_STATE
+from pipeline.registry.tracking import load_model
+from tests.integration.service_helpers import (
+    CHILD,
+    TOLERANCE,
+    Running,
+    assert_exactly_once,
+    assert_same_scores,
+    create_topic,
+    prefixed_configs,
+    produce,
+    read_committed,
+    save_tiny_model,
+)
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+# The group drops a silent member after 6 s; the broker aborts its open transaction 5 s after it began (and
+# looks for expired ones every 10 s: so B's restore may wait a few seconds behind A's open transaction).
+FAST = {"session_timeout_ms": 6000, "transaction_timeout_ms": 5000, "poll_timeout_ms": 200}
+PAUSE_S = 16  # past the session timeout, and past the broker's abort of A's transaction
+
+
+@pytest.fixture(scope="module")
+def frame() -> pl.DataFrame:  # ~2100 events, 34 accounts, one terminal per event
+    frame = generate(GenerateConfig(accounts=60, days=30, seed=5)).sort("ts", "event_id")
+    return frame.with_columns(("T-" + pl.col("event_id").cast(pl.Utf8)).alias("terminal_id"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, frame):
+    return save_tiny_model(frame, 20, tmp_path_factory.mktemp("model"), "fence-1")
+
+
+def scored(bootstrap: str, topic: str) -> int:
+    return len(read_committed(bootstrap, topic))
+
+
+def group(bootstrap: str, group_id: str) -> tuple[str, int]:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        info = admin.describe_groups([group_id])[group_id]
+        return info["group_state"], len(info["members"])
+    finally:
+        admin.close()
+
+
+def wait_until(predicate, what: str, timeout_s: float, running: Running, child=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if running is not None and running.error is not None:
+            raise running.error
+        if child is not None:
+            assert child.poll() is None, f"instance A died (rc={child.returncode})"
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for: {what}"
+        time.sleep(0.3)
+
+
+def trickle(bootstrap: str, topic: str, events: list[Transaction], stop: threading.Event) -> threading.Thread:
+    """Produce `events` in small steps on a thread, so both instances are busy whenever A is paused."""
+
+    def run():
+        for start in range(0, len(events), 10):
+            produce(
+                bootstrap, topic, [(t.account_id, encode_transaction(t)) for t in events[start : start + 10]]
+            )
+            if stop.wait(0.05):
+                return
+
+    thread = threading.Thread(target=run, name="trickle", daemon=True)
+    thread.start()
+    return thread
+
+
+def assert_states_consistent(bootstrap: str, cfg, model_dir: str, events: list[Transaction]) -> int:
+    """Each account's last committed changelog record equals an uninterrupted run's over the same positions."""
+    where = {}  # event_id -> (partition, offset) in transactions
+    for record in read_committed(bootstrap, cfg.topic("transactions")):
+        where[json.loads(record.value)["event_id"]] = (record.partition, record.offset)
+    reference = Scorer(load_model(model_dir))
+    reference.score(events, [where[t.event_id] for t in events])
+    latest = {r.key.decode(): r.value for r in read_committed(bootstrap, cfg.topic("changelog"))}
+    assert set(latest) == {t.account_id for t in events}, "an account has no committed state, or a stranger"
+    detector = reference.detector
+    for account, value in latest.items():
+        got = decode_account_record(value, account)
+        want = decode_account_record(reference.account_state_bytes(account), account)
+        assert (got.partition, got.offset) == (want.partition, want.offset), f"{account}: last applied event"
+        assert (got.last_ts_us, got.recent_ids, got.recent_next) == (
+            want.last_ts_us, want.recent_ids, want.recent_next
+        ), f"{account}: bookkeeping"  # fmt: skip
+        got_features, want_features = (np.frombuffer(r.features, dtype=ACCOUNT_STATE)[0] for r in (got, want))
+        for name in ACCOUNT_STATE.names:
+            assert np.allclose(got_features[name], want_features[name], rtol=0, atol=TOLERANCE), (
+                f"{account}: featurizer state {name!r}"
+            )
+        got_state = decode_account_state(detector, got.detector)
+        want_state = decode_account_state(detector, want.detector)
+        for key, tensor in want_state.items():
+            worst = float((got_state[key] - tensor).abs().max())
+            assert worst <= TOLERANCE, f"{account}: detector state {key!r} differs by {worst:.3g}"
+    return len(latest)
+
+
+@pytest.mark.timeout(600)
+def test_an_instance_frozen_past_its_session_timeout_is_fenced_and_exactly_once_holds(
+    kafka_bootstrap, frame, model_dir, tmp_path
+):
+    with prefixed_configs(kafka_bootstrap, "fence", **FAST) as make:
+        cfg = make(max_poll_records=20)
+        events = transactions_from_frame(frame)
+        n = len(events)
+        create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=4)
+        first = n // 4
+        produce(
+            kafka_bootstrap,
+            cfg.topic("transactions"),
+            [(t.account_id, encode_transaction(t)) for t in events[:first]],
+        )
+        overrides = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "security"}
+        log_path = tmp_path / "a.log"
+        stop_trickle = threading.Event()
+        b = None
+        with open(log_path, "wb") as log_file:
+            a = subprocess.Popen(
+                [sys.executable, "-c", CHILD, json.dumps(overrides), model_dir, kafka_bootstrap],
+                cwd=REPO_ROOT,
+                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                stdout=subprocess.DEVNULL,
+                stderr=log_file,
+            )
+            try:
+                topic = cfg.topic("scores")
+                wait_until(lambda: scored(kafka_bootstrap, topic) >= first // 3, "A scores", 150, None, a)
+                b = Running(cfg, model_dir, kafka_bootstrap)
+                wait_until(
+                    lambda: group(kafka_bootstrap, cfg.group_id) == ("Stable", 2), "a group of 2", 120, b, a
+                )
+                feeder = trickle(kafka_bootstrap, cfg.topic("transactions"), events[first:], stop_trickle)
+                wait_until(
+                    lambda: scored(kafka_bootstrap, topic) >= first + (n - first) // 5,
+                    "both score",
+                    150,
+                    b,
+                    a,
+                )
+
+                a.send_signal(signal.SIGSTOP)  # mid-stream: maybe inside a batch, maybe with a commit open
+                paused_at = scored(kafka_bootstrap, topic)
+                wait_until(lambda: group(kafka_bootstrap, cfg.group_id) == ("Stable", 1), "B alone", 60, b)
+                time.sleep(max(0.0, PAUSE_S - FAST["session_timeout_ms"] / 1000))
+                taken_over = scored(kafka_bootstrap, topic)
+                a.send_signal(signal.SIGCONT)
+                print(f"A paused at {paused_at} scores; B alone had {taken_over} committed when A resumed")
+                assert taken_over > paused_at, "B scored nothing while A was paused: no takeover exercised"
+
+                feeder.join(300)
+                scores = []
+
+                def all_scored():
+                    scores[:] = [json.loads(r.value) for r in read_committed(kafka_bootstrap, topic)]
+                    return len(scores) >= n
+
+                wait_until(all_scored, f"{n} scores", 300, b, a)
+                assert a.poll() is None, "A did not survive its pause"
+                b_stats = b.stop()
+                b = None
+                a.send_signal(signal.SIGTERM)  # a graceful stop: drains and commits what it holds
+                assert a.wait(60) == 0, f"A exited with {a.returncode}"
+            except BaseException:
+                print(log_path.read_text()[-4000:])
+                raise
+            finally:
+                stop_trickle.set()
+                if a.poll() is None:
+                    a.send_signal(signal.SIGCONT)
+                    a.kill()
+                    a.wait(30)
+                if b is not None:
+                    b.stop_event.set()
+        a_log = log_path.read_text()
+        print("A after waking:", *[line for line in a_log.splitlines() if any(
+            word in line for word in ("fenced", "aborted", "rejoin", "revoked", "lost", "moved on", "failed")
+        )][:20], sep="\n  ")  # fmt: skip
+
+        scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
+        by_event = assert_exactly_once(scores, events)
+        assert_same_scores(by_event, Scorer(load_model(model_dir)).score(events))
+        assert b_stats.rebalances >= 2 and b_stats.restored_states > 0, b_stats
+        accounts = assert_states_consistent(kafka_bootstrap, cfg, model_dir, events)
+        print(f"{n} events scored once each; {accounts} accounts' states as an uninterrupted run leaves them")
