@@ -12,8 +12,10 @@ import logging
 import sys
 from dataclasses import replace
 from datetime import date
+from functools import partial
 from pathlib import Path
 
+import configs
 from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.bench.cores import pin_to_one_core
 
@@ -216,7 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ingest", help="map a CSV / Parquet / NDJSON file onto the canonical schema")
     p.add_argument("input", type=Path, help="input file (.csv, .parquet, .ndjson/.jsonl)")
-    p.add_argument("--mapping", type=Path, required=True, help="mapping YAML (examples in configs/data/)")
+    p.add_argument(
+        "--mapping",
+        type=partial(configs.resolve, "data"),
+        required=True,
+        help=f"mapping YAML, or a packaged one by name: {', '.join(configs.names('data'))}",
+    )
     p.add_argument("--out", type=Path, required=True, help="dataset directory to write")
     p.add_argument(
         "--on-invalid",
@@ -246,7 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="lstm | transformer | linear_transformer | logreg | random_forest | hist_gbdt | isolation_forest "
         "(default linear_transformer)",
     )
-    p.add_argument("--config", type=Path, default=None, help="YAML of train settings (configs/train/*.yaml)")
+    p.add_argument(
+        "--config",
+        type=partial(configs.resolve, "train"),
+        default=None,
+        help=f"YAML of train settings, or a packaged profile by name: {', '.join(configs.names('train'))}",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -361,7 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--seeds", type=int, default=None, help="training seeds per detector (default 3)")
     b.add_argument("--folds", type=int, default=1, help="prequential test weeks (default 1)")
-    b.add_argument("--config", type=Path, default=None, help="a training profile YAML for every model")
+    b.add_argument(
+        "--config",
+        type=partial(configs.resolve, "train"),
+        default=None,
+        help="a training profile YAML for every model, or a packaged one by name (quick)",
+    )
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a training setting")
     b.add_argument("--quick", action="store_true", help="a CI-sized run: small data and detectors, 1 seed")
     b.add_argument("--out", type=Path, default=Path("runs/bench-quality"), help="dataset, runs, quality.json")
