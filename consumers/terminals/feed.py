@@ -21,7 +21,8 @@ from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
 
 from consumers.runtime.compacted import Reader, group_less_consumer
-from consumers.scoring.messages import Label, MessageError, MessageLimits, decode_label
+from consumers.scoring.message_limits import MessageError, MessageLimits
+from consumers.scoring.messages import Label, UnknownFields, decode_label
 from consumers.terminals.deltas import decode_deltas
 from consumers.terminals.table import Positions, read_table
 from pipeline.features.stream import StreamingFeaturizer
@@ -104,6 +105,7 @@ class FeedReader:
         `limits`: what a valid label is (ServeConfig's message settings; default MessageLimits())."""
         self.consumer, self.offsets, self.timeout_s = consumer, offsets, timeout_s
         self.limits = MessageLimits() if limits is None else limits
+        self.unknown: UnknownFields | None = None  # counts labels with fields of no known name, when set
         self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
         self.label_tps = self._partitions(labels_topic)
         self.delta_tps = self._partitions(deltas_topic)
@@ -193,7 +195,7 @@ class FeedReader:
             try:
                 if record.value is None:
                     raise MessageError("null value (a tombstone): expected a JSON label")
-                out.labels.append(decode_label(record.value, self.limits, now_us))
+                out.labels.append(decode_label(record.value, self.limits, now_us, self.unknown))
                 out.label_records.append(record)
             except MessageError as error:
                 out.bad.append((record, error))

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from consumers.runtime.settings import ServeConfig, load_serve_config, parse_settings
-from consumers.scoring.messages import MessageLimits, parse_ts
+from consumers.scoring.message_limits import MessageLimits, parse_ts
 
 
 def test_without_a_file_or_with_an_empty_one_the_settings_are_the_defaults(tmp_path):
