@@ -118,6 +118,16 @@ def _terminal_writer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schemas(args: argparse.Namespace) -> int:
+    from consumers.scoring.message_limits import MessageLimits
+    from consumers.scoring.topic_schemas import write_schemas
+
+    limits = MessageLimits.of(load_serve_config(args.config, parse_settings(args.set)))
+    for path in write_schemas(args.out, limits):
+        print(path)
+    return 0
+
+
 def _backtest(args: argparse.Namespace) -> int:
     from pipeline.data.splits import Period
     from pipeline.evaluation.backtest import BacktestConfig, backtest
@@ -297,6 +307,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_settings(p)
     p.set_defaults(run=_terminal_writer)
+
+    p = sub.add_parser(
+        "schemas",
+        help="write the JSON Schemas of the topics (transactions, labels, scores, alerts, dead-letter)",
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory for the <topic>.schema.json files")
+    p.add_argument(
+        "--config", type=Path, default=None, help="the serve settings' YAML (the schemas follow it)"
+    )
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="a serve setting, e.g. timestamp_format=epoch_ms"
+    )
+    p.set_defaults(run=_schemas)
 
     p = sub.add_parser("backtest", help="replay history through the live scorer and report with the protocol")
     p.add_argument("--data", type=Path, required=True, help="dataset directory")
