@@ -6,17 +6,19 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Re-install whenever pyproject.toml changes; otherwise a second run skips straight to the work.
+# Re-install whenever pyproject.toml or uv.lock changes; otherwise a second run skips straight to the work.
+# The install is the lock, frozen: `uv sync --frozen` installs exactly uv.lock's versions (every extra, the
+# project itself editable) and removes what the lock does not name; `uv lock` after editing pyproject.toml.
 # --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set (as here), nothing else writes .pyc files and
 # every process would compile torch, Lightning and MLflow from source again (tens of seconds each).
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format kafka-install kafka-start kafka-stop clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml uv.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade uv
-	$(BIN)/uv pip install --python $(BIN)/python --quiet --compile-bytecode -e '.[dev]'
+	@test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet uv
+	$(BIN)/uv sync --frozen --extra dev --quiet --compile-bytecode
 	@touch $(STAMP)
 
 kafka-install:

@@ -39,6 +39,10 @@ COVERED_ELSEWHERE = {
     "txsentinel demo": ("tests/test_demo.py", "run_demo"),
     "txsentinel terminal-writer": ("tests/integration/test_service_labels.py", '"terminal-writer"'),
     "txsentinel bench quality": ("tests/pipeline/bench/test_quality.py", '"bench", "quality"'),
+    "txsentinel schemas": ("tests/consumers/scoring/test_topic_schemas.py", '"schemas", "--out"'),
+    "uv build": ("tests/test_packaging.py", 'uv("build"'),
+    "uv export": ("tests/test_packaging.py", '"export",'),
+    "uv venv": ("tests/test_packaging.py", 'uv("venv"'),
 }
 
 # (pattern, replacement) applied in order to each command before it runs: smaller sizes, filled placeholders.

@@ -34,6 +34,11 @@ METRICS = {
         "counter",
         "Transactions whose key was not their account_id, written again under it (key_mismatch: rekey).",
     ),
+    "txsentinel_unknown_fields_total": (
+        "counter",
+        "Input messages (transactions and labels) with fields of no known name, read all the same "
+        "(unknown_fields: ignore; refuse dead-letters them).",
+    ),
     "txsentinel_careful_batches_total": (
         "counter",
         "Batches read again one event at a time after a failure nobody foresaw (the failing event dead-lettered).",

@@ -139,6 +139,13 @@ class ServeConfig:
     # it again to `transactions` under its account's key (in the batch's transaction), so it is scored from
     # its account's partition, in order with the account's other events from there on.
     key_mismatch: str = "dead-letter"
+    # Fields of a transaction or label that the service does not know (real topics carry extra ones):
+    # "ignore" reads the message and counts it (txsentinel_unknown_fields_total), "refuse" dead-letters it.
+    unknown_fields: str = "ignore"
+    # The form of ts and label_ts in transactions and labels, and of ts in scores and alerts: "iso8601"
+    # ("2026-03-01T12:00:00.250Z", an offset required) or "epoch_ms" (1772366400250, a JSON integer);
+    # docs/topics.md.
+    timestamp_format: str = "iso8601"
     metrics_port: int = 0  # 0: no metrics endpoint
     # The address /metrics listens on: this host only by default; a scraper elsewhere needs "0.0.0.0" (or the
     # pod's address) and a network that keeps strangers out, since the endpoint has no authentication.

@@ -31,14 +31,9 @@ from typing import NamedTuple
 from kafka.structs import OffsetAndMetadata
 
 from consumers.runtime.settings import ServeConfig
-from consumers.scoring.messages import (
-    MessageError,
-    MessageLimits,
-    Transaction,
-    dead_letter_value,
-    decode_transaction,
-    encode_scores,
-)
+from consumers.scoring.message_limits import MessageError, MessageLimits
+from consumers.scoring.messages import Transaction, UnknownFields, decode_transaction
+from consumers.scoring.outputs import dead_letter_value, encode_scores
 from consumers.scoring.scorer import Scorer
 from consumers.service.commit_pipeline import OutputRecord, ScoredBatch
 from consumers.service.dormant import DormantStates, Place
@@ -79,6 +74,8 @@ class BatchScorer:
         )  # refuses a setting that would change features
         self.model_version = model_version
         self.limits = MessageLimits.of(cfg)  # refuses bounds it cannot keep, before the service starts
+        # Input messages with fields of no known name (unknown_fields: ignore), transactions' and labels'.
+        self.unknown = feed.unknown = UnknownFields()
         self.rekey = cfg.key_mismatch == "rekey"
         # Scores and alerts go to their input event's partition number when the topics have as many
         # partitions as `transactions` (those the service creates do): the key's partition under the default
@@ -98,6 +95,11 @@ class BatchScorer:
         out = ScoredBatch(batch, seq=self.seq)
         out.labels_applied, out.deltas_applied = self.fold_feed()  # they count for all this batch's events
         events = self._decode(batch, out)
+        out.unknown_fields, names = self.unknown.take()
+        if names:  # once per name (UnknownFields keeps the first few): what the producers send that is unused
+            log.info(
+                "input carries fields the service does not read, ignored: %s", ", ".join(map(repr, names))
+            )
         self._bring_back(out, {e.tx.account_id for e in events})
         decoded = time.monotonic()
         if careful:
@@ -119,7 +121,7 @@ class BatchScorer:
                 try:
                     if record.value is None:
                         raise MessageError("null value (a tombstone): expected a JSON transaction")
-                    tx = decode_transaction(record.value, self.limits, now_us)
+                    tx = decode_transaction(record.value, self.limits, now_us, self.unknown)
                 except MessageError as error:
                     self._dead_letter(out, record, error)
                     continue
@@ -161,7 +163,11 @@ class BatchScorer:
             out.replays_dropped += rejected.replay
         out.duplicates_dropped += scorer.stats.duplicates_dropped - dropped_before
         partition_of = {}
-        for s, value in zip(scored.records, encode_scores(scored.records, self.model_version), strict=True):
+        for s, value in zip(
+            scored.records,
+            encode_scores(scored.records, self.model_version, self.limits.timestamp_format),
+            strict=True,
+        ):
             partition = s.position[0] if self.co_partitioned else None
             records.append((self.scores_topic, s.account_id, value, partition))
             if s.alert:

@@ -53,6 +53,7 @@ class ScoredBatch:
     labels_applied: int = 0  # fraud and not-fraud labels read and applied before the batch's events
     deltas_applied: int = 0  # other instances' terminal delta records folded in before the batch's events
     reloaded: int = 0  # dormant accounts' states read back from the changelog for this batch
+    unknown_fields: int = 0  # input messages with fields of no known name, ignored (unknown_fields: ignore)
     created_ms: list[float] = field(default_factory=list)  # the scored events' produce times (latency)
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds of main-thread work
     waited_s: float = 0.0  # for the previous batch's commit, before this one could be sent

@@ -30,7 +30,7 @@ from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import (
     ensure_topics,  # also the public way in for callers (pipeline/cli/demo.py)
 )
-from consumers.scoring.messages import MessageLimits
+from consumers.scoring.message_limits import MessageLimits
 from consumers.scoring.scorer import Scorer
 from consumers.service.batch_limit import BatchLimit
 from consumers.service.batch_scoring import BatchScorer

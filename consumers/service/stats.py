@@ -33,6 +33,7 @@ class ServeStats:
     terminal_table_flushes: int = 0  # transactions of the table writer, while this instance ran it
     states_evicted: int = 0  # dormant accounts let go of beyond max_states_in_memory
     states_reloaded: int = 0  # dormant accounts read back from the changelog when they returned
+    unknown_fields: int = 0  # input messages with fields of no known name, read all the same
 
 
 class Bookkeeping:
@@ -53,6 +54,7 @@ class Bookkeeping:
         self.stats.labels_applied += out.labels_applied
         self.stats.terminal_deltas_applied += out.deltas_applied
         self.stats.states_reloaded += out.reloaded
+        self.stats.unknown_fields += out.unknown_fields
         self._let_dormant_go(committed)
         m = self.metrics
         m.inc("txsentinel_batches_total")
@@ -66,6 +68,7 @@ class Bookkeeping:
         m.inc("txsentinel_labels_applied_total", out.labels_applied)
         m.inc("txsentinel_terminal_deltas_applied_total", out.deltas_applied)
         m.inc("txsentinel_states_reloaded_total", out.reloaded)
+        m.inc("txsentinel_unknown_fields_total", out.unknown_fields)
         m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         m.set("txsentinel_consumer_lag", self._lag())
         m.observe("txsentinel_batch_events", out.events)

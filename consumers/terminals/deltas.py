@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from consumers.scoring.messages import MessageError
+from consumers.scoring.message_limits import MessageError
 from consumers.terminals.table import HEADER_SIZE, check_header, pack_header
 from pipeline.features.stream import MAX_EPOCH_DAY
 from pipeline.features.stream_batches import TerminalOp

@@ -35,7 +35,8 @@ from consumers.runtime.compacted import (
     group_less_consumer,
     lost_positions,
 )
-from consumers.scoring.messages import Label, MessageError, MessageLimits, decode_label
+from consumers.scoring.message_limits import MessageError, MessageLimits
+from consumers.scoring.messages import Label, UnknownFields, decode_label
 from consumers.terminals.deltas import decode_deltas
 from consumers.terminals.table import Positions, read_table
 from pipeline.features.stream import StreamingFeaturizer
@@ -126,6 +127,7 @@ class FeedReader:
         self.limits = MessageLimits() if limits is None else limits
         self.lost_position, self.on_lost = lost_position, on_lost
         self.records_lost = 0  # skipped under lost_position 'earliest', since the start
+        self.unknown: UnknownFields | None = None  # counts labels with fields of no known name, when set
         self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
         self.label_tps = self._partitions(labels_topic)
         self.delta_tps = self._partitions(deltas_topic)
@@ -241,7 +243,7 @@ class FeedReader:
             try:
                 if record.value is None:
                     raise MessageError("null value (a tombstone): expected a JSON label")
-                out.labels.append(decode_label(record.value, self.limits, now_us))
+                out.labels.append(decode_label(record.value, self.limits, now_us, self.unknown))
                 out.label_records.append(record)
             except MessageError as error:
                 out.bad.append((record, error))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from consumers.runtime.compacted import Reader, read_latest
 from consumers.runtime.topics import TABLE_PARTITIONS
-from consumers.scoring.messages import MessageError
+from consumers.scoring.message_limits import MessageError
 from pipeline.features.definitions import FEATURE_VERSION
 from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable
 

@@ -33,7 +33,8 @@ from consumers.runtime.metrics import Metrics, MetricsServer
 from consumers.runtime.settings import ServeConfig
 from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import ensure_topics
-from consumers.scoring.messages import MessageLimits, dead_letter_value
+from consumers.scoring.message_limits import MessageLimits
+from consumers.scoring.outputs import dead_letter_value
 from consumers.terminals.feed import FeedRead, FeedReader
 from consumers.terminals.idle import TerminalEviction
 from consumers.terminals.table import flush_records

@@ -12,8 +12,11 @@ import sys
 import traceback
 from dataclasses import replace
 from datetime import date
+from functools import partial
 from pathlib import Path
 
+import configs
+from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.bench.cores import pin_to_one_core
 from pipeline.cli.errors import EXIT_INPUT, OperatorError
 from pipeline.cli.serving import add_serve_settings, run_serve, run_terminal_writer
@@ -78,6 +81,16 @@ def _promote(args: argparse.Namespace) -> int:
 
     version = promote(args.alias, args.model_name, run_id=args.run_id, version=args.version)
     print(f"{args.model_name}@{args.alias} -> version {version}")
+    return 0
+
+
+def _schemas(args: argparse.Namespace) -> int:
+    from consumers.scoring.message_limits import MessageLimits
+    from consumers.scoring.topic_schemas import write_schemas
+
+    limits = MessageLimits.of(load_serve_config(args.config, parse_settings(args.set)))
+    for path in write_schemas(args.out, limits):
+        print(path)
     return 0
 
 
@@ -181,7 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ingest", help="map a CSV / Parquet / NDJSON file onto the canonical schema")
     p.add_argument("input", type=Path, help="input file (.csv, .parquet, .ndjson/.jsonl)")
-    p.add_argument("--mapping", type=Path, required=True, help="mapping YAML (examples in configs/data/)")
+    p.add_argument(
+        "--mapping",
+        type=partial(configs.resolve, "data"),
+        required=True,
+        help=f"mapping YAML, or a packaged one by name: {', '.join(configs.names('data'))}",
+    )
     p.add_argument("--out", type=Path, required=True, help="dataset directory to write")
     p.add_argument(
         "--on-invalid",
@@ -211,7 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="lstm | transformer | linear_transformer | logreg | random_forest | hist_gbdt | isolation_forest "
         "(default linear_transformer)",
     )
-    p.add_argument("--config", type=Path, default=None, help="YAML of train settings (configs/train/*.yaml)")
+    p.add_argument(
+        "--config",
+        type=partial(configs.resolve, "train"),
+        default=None,
+        help=f"YAML of train settings, or a packaged profile by name: {', '.join(configs.names('train'))}",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -252,6 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_settings(p)
     p.set_defaults(run=run_terminal_writer)
+
+    p = sub.add_parser(
+        "schemas",
+        help="write the JSON Schemas of the topics (transactions, labels, scores, alerts, dead-letter)",
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory for the <topic>.schema.json files")
+    p.add_argument(
+        "--config", type=Path, default=None, help="the serve settings' YAML (the schemas follow it)"
+    )
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="a serve setting, e.g. timestamp_format=epoch_ms"
+    )
+    p.set_defaults(run=_schemas)
 
     p = sub.add_parser("backtest", help="replay history through the live scorer and report with the protocol")
     p.add_argument("--data", type=Path, required=True, help="dataset directory")
@@ -328,7 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--seeds", type=int, default=None, help="training seeds per detector (default 3)")
     b.add_argument("--folds", type=int, default=1, help="prequential test weeks (default 1)")
-    b.add_argument("--config", type=Path, default=None, help="a training profile YAML for every model")
+    b.add_argument(
+        "--config",
+        type=partial(configs.resolve, "train"),
+        default=None,
+        help="a training profile YAML for every model, or a packaged one by name (quick)",
+    )
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a training setting")
     b.add_argument("--quick", action="store_true", help="a CI-sized run: small data and detectors, 1 seed")
     b.add_argument("--out", type=Path, default=Path("runs/bench-quality"), help="dataset, runs, quality.json")

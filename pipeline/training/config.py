@@ -12,10 +12,11 @@ from typing import Any
 
 import yaml
 
+import configs
 from pipeline.data.splits import DAY, Period, Split
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "configs" / "train"
+PROFILES_DIR = configs.packaged("train")  # inside the installed package, the repository's configs/train here
 QUICK_PROFILE = PROFILES_DIR / "quick.yaml"  # a quick CPU run: the demo's and the notebooks' training
 
 

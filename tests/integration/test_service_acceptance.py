@@ -20,7 +20,8 @@ import polars as pl
 import pytest
 import torch
 
-from consumers.scoring.messages import MAX_MESSAGE_BYTES, encode_transaction, transactions_from_frame
+from consumers.scoring.message_limits import MAX_MESSAGE_BYTES
+from consumers.scoring.messages import encode_transaction, transactions_from_frame
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features import TERMINAL_BUCKET_COLUMN, compute_features
 from pipeline.registry.tracking import load_model

@@ -16,7 +16,7 @@ from consumers.runtime.settings import (
     read_serve_config,
 )
 from consumers.runtime.settings_sources import format_settings
-from consumers.scoring.messages import MessageLimits, parse_ts
+from consumers.scoring.message_limits import MessageLimits, parse_ts
 
 
 def test_without_a_file_or_with_an_empty_one_the_settings_are_the_defaults(tmp_path):

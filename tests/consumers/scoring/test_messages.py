@@ -5,20 +5,17 @@ import math
 
 import pytest
 
+from consumers.scoring.message_limits import MessageError, MessageLimits, format_ts, parse_ts
 from consumers.scoring.messages import (
     Label,
-    MessageError,
-    MessageLimits,
     Transaction,
+    UnknownFields,
     decode_label,
     decode_transaction,
     encode_label,
-    encode_score,
-    encode_scores,
     encode_transaction,
-    format_ts,
-    parse_ts,
 )
+from consumers.scoring.outputs import encode_score, encode_scores
 
 GOOD = {
     "event_id": "E1",
@@ -64,7 +61,6 @@ def test_label_round_trips():
         (message(ts="2026-03-01T12:00:00"), "has no UTC offset"),
         (message(ts="1970-01-02T00:00:00Z"), "outside 2000..2099"),
         (message(ts=1767225600), "expected an ISO-8601 timestamp string, got int"),
-        (message(colour="red"), "unknown field(s): colour"),
         (message(channel=7), "'channel': expected a string"),
         (b'{"pad":"' + b"x" * 70_000 + b'"}', "limit is 65536"),
     ],
@@ -135,7 +131,6 @@ NOW_US = parse_ts("2026-03-01T12:00:00Z", "now")
         (message(ts="2099-12-31T00:00:00Z"), "in the future"),
         (message(ts="0001-01-01T00:00:00+01:00"), "is outside 2000..2099"),
         ('{"amount": 1}'.encode("utf-16"), "not valid UTF-8 JSON"),
-        (message(**{"\x07bell": 1}), "unknown field(s): '\\x07bell'"),
     ],
 )
 def test_hostile_transactions_are_refused_with_a_reason(raw, reason):
@@ -170,3 +165,98 @@ def test_a_label_from_the_future_is_refused():
     with pytest.raises(MessageError, match=r"'label_ts': '2030-01-01T00:00:00Z' is \d+ s in the future"):
         decode_label(late, MessageLimits(), NOW_US)
     assert decode_label(json.dumps({**data, "label_ts": "2026-03-01T12:00:00Z"}).encode(), now_us=NOW_US)
+
+
+REFUSE = MessageLimits(unknown_fields="refuse")
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (message(colour="red"), "unknown field(s): colour"),
+        (message(**{"\x07bell": 1}), "unknown field(s): '\\x07bell'"),
+    ],
+)
+def test_unknown_fields_are_refused_when_the_setting_says_so(raw, reason):
+    with pytest.raises(MessageError) as error:
+        decode_transaction(raw, REFUSE, NOW_US)
+    assert reason in str(error.value)
+    assert "setting unknown_fields = refuse" in str(error.value)
+
+
+def test_unknown_fields_are_ignored_and_counted_by_default():
+    unknown = UnknownFields()
+    plain = decode_transaction(message(), MessageLimits(), NOW_US, unknown)
+    assert unknown.take() == (0, [])
+    extra = message(colour="red", merchant={"name": "M", "mcc": 5411}, channel="pos")
+    tx = decode_transaction(extra, MessageLimits(), NOW_US, unknown)
+    assert tx == plain._replace(channel="pos")  # the known optional field is read, the strangers are not
+    decode_transaction(message(colour="blue"), MessageLimits(), NOW_US, unknown)
+    assert unknown.take() == (2, ["colour", "merchant"])  # two messages; each name once
+    label = json.dumps(
+        {
+            "event_id": "E1",
+            "account_id": "A1",
+            "terminal_id": "T",
+            "is_fraud": True,
+            "label_ts": GOOD["ts"],
+            "x": 1,
+        }
+    )
+    assert decode_label(label.encode(), MessageLimits(), NOW_US, unknown).is_fraud
+    assert unknown.take() == (1, ["x"])
+    with pytest.raises(MessageError, match="unknown field"):
+        decode_label(label.encode(), REFUSE, NOW_US)
+
+
+EPOCH_MS = MessageLimits(timestamp_format="epoch_ms")
+
+
+def test_epoch_millisecond_timestamps_with_the_setting():
+    ms = parse_ts(GOOD["ts"], "ts") // 1000
+    tx = decode_transaction(message(ts=ms), EPOCH_MS, NOW_US)
+    assert tx == decode_transaction(message(), MessageLimits(), NOW_US)
+    assert decode_transaction(encode_transaction(tx, "epoch_ms"), EPOCH_MS, NOW_US) == tx
+    assert json.loads(encode_transaction(tx, "epoch_ms"))["ts"] == 1772366400250
+    label = Label("E1", "A1", "T9", True, tx.ts_us)
+    assert decode_label(encode_label(label, "epoch_ms"), EPOCH_MS, NOW_US) == label
+
+
+@pytest.mark.parametrize(
+    ("ts", "reason"),
+    [
+        (
+            "2026-03-01T12:00:00Z",
+            "expected epoch milliseconds (an integer; setting timestamp_format = epoch_ms)",
+        ),
+        (1772366400250.5, "expected epoch milliseconds"),
+        (True, "expected epoch milliseconds"),
+        (1772366400, "outside 2000..2099"),  # seconds, not milliseconds: 1970
+        (10**30, "is not epoch milliseconds"),
+        (1772366400250 + 3_601_000, "3601 s in the future"),
+    ],
+)
+def test_epoch_milliseconds_are_bounded_like_iso_timestamps(ts, reason):
+    with pytest.raises(MessageError) as error:
+        decode_transaction(message(ts=ts), EPOCH_MS, NOW_US)
+    assert reason in str(error.value)
+
+
+def test_an_epoch_timestamp_under_iso8601_names_the_setting():
+    with pytest.raises(MessageError, match="timestamp_format = epoch_ms"):
+        decode_transaction(message(ts=1772366400250), MessageLimits(), NOW_US)
+
+
+def test_the_message_settings_are_checked():
+    for bad in ({"unknown_fields": "drop"}, {"timestamp_format": "epoch_s"}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} = .*expected one of"):
+            MessageLimits(**bad)
+
+
+def test_scores_in_epoch_milliseconds_equal_the_reference():
+    from consumers.scoring.results import ScoreRecord
+
+    records = [ScoreRecord("E1", "A1", 1_772_366_400_250_000, 0.25, 0.0, True, False)]
+    fast = encode_scores(records, "3", "epoch_ms")
+    assert fast == [encode_score(records[0], "3", "epoch_ms")]
+    assert json.loads(fast[0])["ts"] == 1772366400250

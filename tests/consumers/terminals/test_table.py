@@ -6,7 +6,7 @@ gives back the state of every event and label, bit for bit, however the events w
 import numpy as np
 import pytest
 
-from consumers.scoring.messages import MessageError
+from consumers.scoring.message_limits import MessageError
 from consumers.terminals import deltas as terminal_deltas
 from consumers.terminals import table as terminal_table
 from consumers.terminals.table import POSITIONS_KEY, Positions

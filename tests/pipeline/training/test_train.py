@@ -110,7 +110,9 @@ print(json.dumps({{"event_ids": seqs.event_ids.tolist(), "scores": scores[0].tol
 
 @pytest.mark.slow
 def test_hybrid_trains_its_base_then_its_trees_and_registers_one_model(tracking):
-    cfg = config(tracking, "hybrid", "hybrid_base=lstm", "model_config.d_model=8", "model_config.num_layers=1")
+    cfg = config(
+        tracking, "hybrid", "hybrid_base=lstm", "model_config.d_model=8", "model_config.num_layers=1"
+    )
     result = train(cfg)
     assert result.metrics["test/parallel_vs_recurrent_max_abs"] < 1e-4
     assert 0.5 < result.metrics["test/auc"] <= 1.0
