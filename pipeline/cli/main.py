@@ -16,6 +16,7 @@ from pathlib import Path
 
 from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.bench.cores import pin_to_one_core
+from pipeline.cli.logs import add_logging_flags
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerator", default=None, help="cpu (default) | gpu")
     p.add_argument("--devices", type=int, default=None, help="GPUs to use; > 1 trains with DDP")
     p.set_defaults(run=_train)
+    add_logging_flags(p, always=False)
 
     p = sub.add_parser("promote", help="point a registered-model alias (e.g. champion) at a version")
     which = p.add_mutually_exclusive_group(required=True)
@@ -278,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_settings(p)
     p.set_defaults(run=_serve)
+    add_logging_flags(p, always=True)
 
     p = sub.add_parser(
         "terminal-writer",
@@ -285,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_settings(p)
     p.set_defaults(run=_terminal_writer)
+    add_logging_flags(p, always=True)
 
     p = sub.add_parser("backtest", help="replay history through the live scorer and report with the protocol")
     p.add_argument("--data", type=Path, required=True, help="dataset directory")
@@ -299,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="write JSON, CSV and plots here")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the results to MLflow")
     p.set_defaults(run=_backtest)
+    add_logging_flags(p, always=False)
 
     p = sub.add_parser("compare", help="one table and plots of the runs in an MLflow experiment")
     p.add_argument("--experiment", default="txsentinel")
@@ -376,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="where datasets and outputs go")
     p.set_defaults(run=_demo)
+    add_logging_flags(p, always=False)
     return parser
 
 
