@@ -80,7 +80,8 @@ def serve(
             if service.writer is not None:  # None: start() failed before building it
                 service.stats.terminal_table_flushes = service.writer.stats.flushes
                 service.stats.dead_lettered += service.writer.stats.dead_lettered
-    log.info("serve stopped %s", " ".join(f"{k}={v}" for k, v in asdict(service.stats).items()))
+    stats = asdict(service.stats)  # also as fields of their own, for --log-format json
+    log.info("serve stopped %s", " ".join(f"{k}={v}" for k, v in stats.items()), extra=stats)
     return service.stats
 
 

@@ -21,7 +21,7 @@ started again after a pause, from the table. On stop it drains what has arrived 
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kafka import KafkaProducer
 from kafka.serializer import DefaultSerializer
@@ -229,5 +229,5 @@ def run_writer(cfg: ServeConfig, bootstrap: str, stop_event: threading.Event | N
                 writer.stop()
             if server is not None:
                 server.close()
-    log.info("terminal writer stopped %s", writer.stats)
+    log.info("terminal writer stopped %s", writer.stats, extra=asdict(writer.stats))
     return writer.stats
