@@ -12,7 +12,7 @@ beside it. consumers/runtime/endpoints.py serves it at /metrics.
 import socket
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
@@ -65,6 +65,10 @@ METRICS = {
     "txsentinel_restored_states_total": ("counter", "Account state records read from the changelog."),
     "txsentinel_states_in_memory": ("gauge", "Account states held in memory."),
     "txsentinel_assigned_partitions": ("gauge", "Transactions partitions assigned to this instance."),
+    "txsentinel_ready": (
+        "gauge",
+        "1 when /readyz answers 200 (started, its partitions assigned and restored), 0 otherwise.",
+    ),
     "txsentinel_terminal_deltas_applied_total": (
         "counter",
         "Other scorers' batches of terminal event counts folded into this instance's terminal state.",
@@ -134,6 +138,7 @@ class Metrics:
         self._values = {name: 0.0 for name, (kind, _) in METRICS.items() if kind in ("counter", "gauge")}
         self._histograms = {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
         self._info: dict[str, dict[str, str]] = {}
+        self._read: dict[str, Callable[[], float]] = {}  # gauges read when scraped
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         for collector in (ProcessCollector, GCCollector, PlatformCollector):
@@ -159,6 +164,12 @@ class Metrics:
         with self._lock:
             self._info[name] = {key: str(value) for key, value in labels.items()}
 
+    def read_from(self, name: str, read: Callable[[], float]) -> None:
+        """Gauge `name` is `read()` at each scrape (from the scrape's thread) instead of a set value."""
+        if METRICS[name][0] != "gauge":
+            raise ValueError(f"metric {name} is a {METRICS[name][0]}, not a gauge")
+        self._read[name] = read
+
     def get(self, name: str) -> float:
         with self._lock:
             return self._values[name]
@@ -168,6 +179,7 @@ class Metrics:
             values = dict(self._values)
             histograms = {name: (h.buckets(), h.sum) for name, h in self._histograms.items()}
             info = {name: dict(labels) for name, labels in self._info.items()}
+        values.update({name: float(read()) for name, read in self._read.items()})
         for name, (kind, text) in METRICS.items():
             if kind == "counter":
                 yield CounterMetricFamily(name, text, value=values[name])

@@ -99,6 +99,7 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.probes = Probes(stall_after_s=cfg.restore_timeout_s + cfg.max_poll_interval_ms / 1000)
         self.probes.wait_for("start", "creating topics, starting the producer, reading the terminal table")
         self.probes.wait_for("partitions", "waiting for the group to assign partitions")
+        self.metrics.read_from("txsentinel_ready", lambda: self.probes.ready()[0])
         self.fatal: BaseException | None = None  # raised in a rebalance callback, re-raised by run()
         self.assigned: set[int] = set()
         self.partitions = 0  # of the transactions topic, known once start() has made sure of the topics

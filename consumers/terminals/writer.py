@@ -213,6 +213,7 @@ def run_writer(cfg: ServeConfig, bootstrap: str, stop_event: threading.Event | N
     # Alive while its loop comes round (once a second, or after a table read bounded by restore_timeout_s).
     probes = Probes(stall_after_s=cfg.restore_timeout_s + cfg.max_poll_interval_ms / 1000)
     probes.wait_for("table", "creating topics, starting the producer, reading the terminal table")
+    metrics.read_from("txsentinel_ready", lambda: probes.ready()[0])
     with stop_on_signals(stop):
         server = (
             StatusServer(metrics, probes, cfg.metrics_host, cfg.metrics_port) if cfg.metrics_port else None

@@ -98,6 +98,7 @@ def test_serve_turns_ready_after_its_restore_and_names_its_model(kafka_bootstrap
             assert info in metrics.splitlines()
             assert "process_resident_memory_bytes " in metrics
             assert scrape(port, "txsentinel_assigned_partitions") == 2
+            assert scrape(port, "txsentinel_ready") == 1  # what Prometheus sees of /readyz
 
             while scrape(port, "txsentinel_events_scored_total") < len(events):
                 assert time.monotonic() < deadline, "the produced events were not scored"

@@ -121,3 +121,14 @@ def test_a_scraper_that_asks_for_openmetrics_gets_it():
         server.close()
     assert "# TYPE txsentinel_alerts counter\n" in text and "\ntxsentinel_alerts_total 2.0\n" in text
     assert text.endswith("# EOF\n")
+
+
+def test_a_gauge_can_be_read_at_each_scrape():
+    metrics = Metrics()
+    probes = Probes()
+    metrics.read_from("txsentinel_ready", lambda: probes.ready()[0])
+    assert parse(metrics.render())["txsentinel_ready"] == 1
+    probes.wait_for("partitions", "restoring")
+    assert parse(metrics.render())["txsentinel_ready"] == 0
+    with pytest.raises(ValueError, match="txsentinel_alerts_total is a counter, not a gauge"):
+        metrics.read_from("txsentinel_alerts_total", lambda: 1.0)
