@@ -5,8 +5,9 @@
 3. train the three sequence detectors (quick CPU profile) and the four per-event baselines, tracked and
    registered in a local MLflow store;
 4. promote the sequence detector with the best validation AP to `champion`, print the comparison table;
-5. start `txsentinel serve` with the champion, stream the test period's transactions (and their labels, on
-   their own topic) through Kafka at a steady rate, and show live progress;
+5. start `txsentinel serve` with the champion and wait for its /readyz, stream the test period's
+   transactions (and their labels, on their own topic) through Kafka at a steady rate, and show live
+   progress;
 6. summarise: events scored, alerts, precision of the alerts against the known labels, latency, and where
    to look next. Everything started is stopped at the end, also on Ctrl-C.
 """
