@@ -114,3 +114,34 @@ def test_serve_turns_ready_after_its_restore_and_names_its_model(kafka_bootstrap
     assert restored["logger"] == "consumers.service.restore" and restored["partitions"] == [0, 1]
     stopped = [line for line in lines if line["message"].startswith("serve stopped")]
     assert stopped and stopped[0]["events_scored"] == len(events)
+
+
+def test_terminal_writer_turns_ready_once_it_has_read_the_table(kafka_bootstrap, tmp_path):
+    port = free_port()
+    with prefixed_configs(kafka_bootstrap, "probes-writer") as make:
+        cfg = make()
+        command = [
+            sys.executable, "-m", "pipeline.cli.main", "terminal-writer", "--bootstrap-servers", kafka_bootstrap,
+            "--group-id", cfg.group_id, "--set", f"topic_prefix={cfg.topic_prefix}",
+            "--set", f"metrics_port={port}",
+        ]  # fmt: skip
+        log_path = tmp_path / "writer.log"
+        with log_path.open("w") as log:
+            writer = subprocess.Popen(
+                command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=log
+            )
+        try:
+            seen: list[tuple[int, str]] = []
+            deadline = time.monotonic() + 120
+            while not seen or seen[-1][0] != 200:
+                assert writer.poll() is None, f"exited {writer.returncode}:\n{log_path.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, f"never ready; last answers {seen[-3:]}"
+                if (answer := get(port, "/readyz")) is not None:
+                    seen.append(answer)
+                time.sleep(0.05)
+            assert seen[0][0] == 503 and seen[0][1].startswith("not ready: table: ")
+            assert get(port, "/healthz") == (200, "alive\n") and scrape(port, "txsentinel_ready") == 1
+        finally:
+            writer.send_signal(signal.SIGTERM)
+            code = writer.wait(timeout=60)
+        assert code == 0, log_path.read_text()[-3000:]
