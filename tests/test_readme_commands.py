@@ -319,7 +319,7 @@ def serve_and_stream(words: list[str], prefix: str, work: Workdir, kafka_bootstr
         deadline = time.monotonic() + 180
         while True:
             metrics = wait_for_http(f"http://127.0.0.1:{metrics_port}/metrics", serve)
-            if f"txsentinel_events_scored_total {last.height}\n" in metrics:
+            if f"txsentinel_events_scored_total {last.height:.1f}\n" in metrics:  # values are floats
                 break
             assert time.monotonic() < deadline, "the docs' serve did not score the streamed events"
             time.sleep(1)

@@ -1,24 +1,35 @@
-"""The scoring service's counters, served over HTTP in the Prometheus text format (version 0.0.4).
+"""The service's metrics: its own counters, gauges and histograms, and the process's, for Prometheus.
 
-A handful of lines of text need no client library: `render()` writes them by hand, and a stdlib
-ThreadingHTTPServer on a daemon thread serves them at /metrics. A connection that sends nothing, or too
-slowly, is closed after REQUEST_TIMEOUT_S, so idle sockets cannot pile up threads in the service.
+`Metrics` is a prometheus_client collector over plain numbers: the service thread adds to them under one
+lock, and a scrape reads them all at once. A batch's latencies go into a histogram as one numpy call
+(searchsorted + bincount), where prometheus_client's Histogram takes one call and one lock per value: for
+the 500 latencies of a poll, 0.05 ms against 2.7 ms on the service's thread (measured on the development
+machine). Each Metrics has its own registry, with the
+process (CPU, memory, open files), garbage-collector and Python version collectors of prometheus_client
+beside it. consumers/runtime/endpoints.py serves it at /metrics.
 """
 
-import logging
 import socket
 import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterator
 
 import numpy as np
-
-log = logging.getLogger(__name__)
-
-REQUEST_TIMEOUT_S = 5.0  # a scrape takes milliseconds; a connection silent this long is dropped
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
 # name -> (type, help). Counters only grow; gauges are set; histograms count observations into HISTOGRAMS'
-# buckets (cumulative, as Prometheus expects) with their sum and count.
+# buckets (cumulative, as Prometheus expects) with their sum and count; an info metric is one sample of
+# value 1 whose labels say what it describes, exposed once set_info() has given them.
 METRICS = {
     "txsentinel_events_scored_total": ("counter", "Transactions scored (one score record each)."),
     "txsentinel_events_dead_lettered_total": ("counter", "Input messages sent to the dead-letter topic."),
@@ -59,6 +70,10 @@ METRICS = {
     "txsentinel_restored_states_total": ("counter", "Account state records read from the changelog."),
     "txsentinel_states_in_memory": ("gauge", "Account states held in memory."),
     "txsentinel_assigned_partitions": ("gauge", "Transactions partitions assigned to this instance."),
+    "txsentinel_ready": (
+        "gauge",
+        "1 when /readyz answers 200 (started, its partitions assigned and restored), 0 otherwise.",
+    ),
     "txsentinel_terminal_deltas_applied_total": (
         "counter",
         "Other scorers' batches of terminal event counts folded into this instance's terminal state.",
@@ -92,6 +107,10 @@ METRICS = {
         "histogram",
         "End-to-end latency: the input record's timestamp to the commit that made its score visible.",
     ),
+    "txsentinel_model_info": (
+        "info",
+        "The model this instance serves: registered name and version, detector, feature version, source URI.",
+    ),
 }
 HISTOGRAMS = {
     "txsentinel_batch_events": (1, 10, 50, 100, 250, 500, 1000, 2000, 5000),
@@ -102,7 +121,7 @@ HISTOGRAMS = {
 
 
 class Histogram:
-    """Counts per upper bound `le` (non-cumulative here, made cumulative when rendered), sum and count."""
+    """Counts per upper bound `le` (non-cumulative here, made cumulative when collected), sum and count."""
 
     def __init__(self, bounds: tuple[float, ...]):
         self.bounds = np.asarray(bounds, dtype=np.float64)
@@ -117,24 +136,26 @@ class Histogram:
         )
         self.sum += float(values.sum())
 
-    def lines(self, name: str) -> list[str]:
+    def buckets(self) -> list[tuple[str, int]]:
+        """[(le, cumulative count)], +Inf last, as HistogramMetricFamily takes them."""
         cumulative = np.cumsum(self.counts)
-        out = [f'{name}_bucket{{le="{b:g}"}} {c}' for b, c in zip(self.bounds, cumulative[:-1], strict=True)]
-        return [
-            *out,
-            f'{name}_bucket{{le="+Inf"}} {cumulative[-1]}',
-            f"{name}_sum {self.sum:.17g}",
-            f"{name}_count {cumulative[-1]}",
-        ]
+        les = [f"{b:g}" for b in self.bounds] + ["+Inf"]
+        return [(le, int(c)) for le, c in zip(les, cumulative, strict=True)]
 
 
 class Metrics:
-    """Thread-safe named values; the service thread writes, the HTTP thread reads."""
+    """Thread-safe named values; the service thread writes, a scrape reads (a prometheus_client collector)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._values = {name: 0.0 for name, (kind, _) in METRICS.items() if kind != "histogram"}
+        self._values = {name: 0.0 for name, (kind, _) in METRICS.items() if kind in ("counter", "gauge")}
         self._histograms = {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
+        self._info: dict[str, dict[str, str]] = {}
+        self._read: dict[str, Callable[[], float]] = {}  # gauges read when scraped
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        for collector in (ProcessCollector, GCCollector, PlatformCollector):
+            collector(registry=self.registry)
 
     def inc(self, name: str, amount: float = 1.0) -> None:
         with self._lock:
@@ -149,68 +170,43 @@ class Metrics:
         with self._lock:
             self._histograms[name].observe(values)
 
+    def set_info(self, name: str, labels: dict[str, str]) -> None:
+        """Give info metric `name` (its name ends in _info) its labels."""
+        if METRICS[name][0] != "info":
+            raise ValueError(f"metric {name} is a {METRICS[name][0]}, not an info metric")
+        with self._lock:
+            self._info[name] = {key: str(value) for key, value in labels.items()}
+
+    def read_from(self, name: str, read: Callable[[], float]) -> None:
+        """Gauge `name` is `read()` at each scrape (from the scrape's thread) instead of a set value."""
+        if METRICS[name][0] != "gauge":
+            raise ValueError(f"metric {name} is a {METRICS[name][0]}, not a gauge")
+        self._read[name] = read
+
     def get(self, name: str) -> float:
         with self._lock:
             return self._values[name]
 
-    def render(self) -> str:
+    def collect(self) -> Iterator[Metric]:  # prometheus_client's collector protocol
         with self._lock:
-            lines = []
-            for name, (kind, text) in METRICS.items():
-                lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-                if kind == "histogram":
-                    lines += self._histograms[name].lines(name)
-                else:
-                    lines.append(f"{name} {self._values[name]:.17g}")
-        return "\n".join(lines) + "\n"
+            values = dict(self._values)
+            histograms = {name: (h.buckets(), h.sum) for name, h in self._histograms.items()}
+            info = {name: dict(labels) for name, labels in self._info.items()}
+        values.update({name: float(read()) for name, read in self._read.items()})
+        for name, (kind, text) in METRICS.items():
+            if kind == "counter":
+                yield CounterMetricFamily(name, text, value=values[name])
+            elif kind == "gauge":
+                yield GaugeMetricFamily(name, text, value=values[name])
+            elif kind == "histogram":
+                buckets, total = histograms[name]
+                yield HistogramMetricFamily(name, text, buckets=buckets, sum_value=total)
+            elif name in info:  # InfoMetricFamily adds the _info suffix itself
+                yield InfoMetricFamily(name.removesuffix("_info"), text, value=info[name])
 
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True  # a connection still open never holds up the service's exit
-    block_on_close = False
-
-
-class MetricsServer:
-    """Serves `metrics.render()` at http://host:port/metrics until close(); port 0 in the config means off,
-    so this class is only built for a real port."""
-
-    def __init__(self, metrics: Metrics, host: str, port: int, request_timeout_s: float = REQUEST_TIMEOUT_S):
-        class Handler(BaseHTTPRequestHandler):
-            timeout = request_timeout_s  # the stdlib sets it on each connection's socket
-
-            def do_GET(self):  # the stdlib names it
-                if self.path.split("?")[0] not in ("/metrics", "/"):
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                body = metrics.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format, *args):  # scrapes every few seconds: not worth a log line
-                pass
-
-        try:
-            self._server = _Server((host, port), Handler)
-        except OSError as error:
-            raise OSError(
-                f"metrics endpoint: cannot listen on {host}:{port} ({error}); choose another metrics_port, or 0 "
-                "to turn the endpoint off"
-            ) from None
-        self._thread = threading.Thread(target=self._server.serve_forever, name="txs-metrics", daemon=True)
-        self._thread.start()
-        log.info("metrics endpoint url=http://%s:%d/metrics", host, self.port)
-
-    @property
-    def port(self) -> int:
-        return self._server.server_address[1]
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+    def render(self) -> str:
+        """Everything /metrics serves, in the Prometheus text format (version 0.0.4)."""
+        return generate_latest(self.registry).decode()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

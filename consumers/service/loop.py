@@ -11,7 +11,9 @@ rewound with it if it failed (consumers/service/commit_pipeline.py).
 
 This module is the poll loop. The service's other concerns live beside it, mixed into the one _Service:
 restore.py (rebalances; account and terminal state read back on assignment and after an abort),
-producer.py (the transactional producer; failed transactions) and stats.py (what is counted).
+producer.py (the transactional producer; failed transactions) and stats.py (what is counted). With
+metrics_port set, /metrics, /healthz and /readyz answer from the start (consumers/runtime/endpoints.py);
+readiness waits for the start, then for assigned partitions and their restored states (self.probes).
 """
 
 import gc
@@ -24,7 +26,9 @@ from dataclasses import asdict
 from kafka import KafkaConsumer
 
 from consumers.runtime.compacted import Reader, read_at
-from consumers.runtime.metrics import Metrics, MetricsServer
+from consumers.runtime.endpoints import StatusServer
+from consumers.runtime.metrics import Metrics
+from consumers.runtime.probes import Probes
 from consumers.runtime.settings import ServeConfig
 from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import (
@@ -38,7 +42,7 @@ from consumers.service.commit_pipeline import ScoredBatch, TransactionPipeline
 from consumers.service.dormant import DormantStates
 from consumers.service.producer import Transactions, merged_batches
 from consumers.service.restore import Restore
-from consumers.service.stats import Bookkeeping, ServeStats
+from consumers.service.stats import Bookkeeping, ServeStats, model_info
 from consumers.terminals.feed import FeedReader
 from consumers.terminals.writer import TerminalTableWriter
 from pipeline.registry.artifact import LoadedModel
@@ -76,7 +80,8 @@ def serve(
             if service.writer is not None:  # None: start() failed before building it
                 service.stats.terminal_table_flushes = service.writer.stats.flushes
                 service.stats.dead_lettered += service.writer.stats.dead_lettered
-    log.info("serve stopped %s", " ".join(f"{k}={v}" for k, v in asdict(service.stats).items()))
+    stats = asdict(service.stats)  # also as fields of their own, for --log-format json
+    log.info("serve stopped %s", " ".join(f"{k}={v}" for k, v in stats.items()), extra=stats)
     return service.stats
 
 
@@ -88,6 +93,13 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.stats = ServeStats()
         self.limit = BatchLimit(cfg.max_poll_records, cfg.max_poll_interval_ms)
         self.metrics = Metrics()
+        self.metrics.set_info("txsentinel_model_info", model_info(model))
+        # Alive while the loop comes round within the longest wait it may have: a restore inside a poll,
+        # a batch inside max_poll_interval_ms.
+        self.probes = Probes(stall_after_s=cfg.restore_timeout_s + cfg.max_poll_interval_ms / 1000)
+        self.probes.wait_for("start", "creating topics, starting the producer, reading the terminal table")
+        self.probes.wait_for("partitions", "waiting for the group to assign partitions")
+        self.metrics.read_from("txsentinel_ready", lambda: self.probes.ready()[0])
         self.fatal: BaseException | None = None  # raised in a rebalance callback, re-raised by run()
         self.assigned: set[int] = set()
         self.partitions = 0  # of the transactions topic, known once start() has made sure of the topics
@@ -118,10 +130,10 @@ class _Service(Restore, Transactions, Bookkeeping):
 
     def start(self, bootstrap: str) -> None:
         cfg = self.cfg
+        if cfg.metrics_port:  # first: the probes answer (not ready) while the rest starts
+            self.metrics_server = StatusServer(self.metrics, self.probes, cfg.metrics_host, cfg.metrics_port)
         self.partitions = ensure_topics(cfg, bootstrap)
         security = cfg.kafka_security
-        if cfg.metrics_port:
-            self.metrics_server = MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port)
         # Reads the changelog on assignment and the terminal table; no group, so it never joins or commits.
         self.restorer = Reader.connect(bootstrap, "txsentinel-serve-restore", **security)
         self.bootstrap = bootstrap
@@ -155,6 +167,7 @@ class _Service(Restore, Transactions, Bookkeeping):
             **security,
         )
         self._subscribe()
+        self.probes.done("start")
         log.info(
             "serve started topic=%s partitions=%d group=%s transactional_id=%s model=%s threshold=%.4f",
             self.topic, self.partitions, cfg.group_id, self.transactional_id, self.model_version,
@@ -166,8 +179,10 @@ class _Service(Restore, Transactions, Bookkeeping):
         """Poll, score, commit in the background (consumers/service/commit_pipeline.py) until `stop` is set."""
         try:
             while not stop.is_set():
+                self.probes.beat()
                 self._cycle()
         finally:
+            self.probes.wait_for("stop", "stopping: the batch in flight commits, then the instance leaves")
             self._finish_in_flight()
 
     def _cycle(self) -> None:

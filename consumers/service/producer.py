@@ -36,6 +36,7 @@ class Transactions:
         # the id. A stable id (instance_id) also lets init_transactions abort a crashed predecessor's
         # transaction at once.
         self.transactional_id = f"{cfg.transactional_id_prefix}-{cfg.instance_id or uuid.uuid4().hex[:12]}"
+        self.probes.wait_for("producer", f"starting transactional producer {self.transactional_id}")
         self.producer = KafkaProducer(
             bootstrap_servers=self.bootstrap,
             transactional_id=self.transactional_id,
@@ -48,6 +49,7 @@ class Transactions:
         )
         self.producer.init_transactions()  # with a stable id: fences and aborts the predecessor's transaction
         self.pipeline = TransactionPipeline(self.producer)
+        self.probes.done("producer")
 
     def _renew_producer(self, error: ProducerFencedError) -> None:
         """A fenced producer is dead for good: start another (its aborted batches are rewound by the caller).

@@ -66,6 +66,7 @@ class Restore:
             evicted += len(leaving)
         self.assigned -= set(partitions)
         self.dormant.drop_partitions(partitions)
+        self.probes.wait_for("partitions", "rebalancing: partitions revoked, waiting for the next assignment")
         self.stats.rebalances += 1
         self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
         self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
@@ -85,12 +86,15 @@ class Restore:
         self.rebalance_callbacks += 1
         partitions = sorted(tp.partition for tp in assigned if tp.topic == self.topic)
         log.info("partitions assigned partitions=%s", partitions)
+        self.probes.wait_for("partitions", f"restoring the states of partitions {partitions}")
         try:
             self._restore(partitions)
         except BaseException as error:  # kafka-python logs and swallows callback errors: hand it to run()
             self.fatal = error
+            self.probes.wait_for("partitions", f"restoring partitions {partitions} failed: {error!r}")
             return
         self.assigned |= set(partitions)
+        self.probes.done("partitions")  # no partition at all is ready too: a spare member, idle
         self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
         self._run_writer(partitions, assigned=True)
 

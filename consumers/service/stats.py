@@ -1,5 +1,5 @@
-"""What the service counts: ServeStats (returned by serve() and logged when it stops) and the metrics of each
-committed batch (consumers/runtime/metrics.py serves them)."""
+"""What the service counts: ServeStats (returned by serve() and logged when it stops), the metrics of each
+committed batch and the model it serves (consumers/runtime/metrics.py)."""
 
 import logging
 from dataclasses import dataclass
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from consumers.service.commit_pipeline import Committed
+from pipeline.registry.artifact import LoadedModel
+from pipeline.registry.tracking import registered_version
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,23 @@ class ServeStats:
     states_evicted: int = 0  # dormant accounts let go of beyond max_states_in_memory
     states_reloaded: int = 0  # dormant accounts read back from the changelog when they returned
     unknown_fields: int = 0  # input messages with fields of no known name, read all the same
+
+
+def model_info(model: LoadedModel) -> dict[str, str]:
+    """The labels of txsentinel_model_info: registered name and version (empty for a run URI or a directory),
+    detector, feature version and the URI the service was given."""
+    try:
+        name, version = registered_version(model.source) or ("", "")
+    except Exception as error:  # a label of a metric is not worth failing the start for
+        log.warning("model info: the registered version of %s is unknown error=%r", model.source, error)
+        name, version = "", ""
+    return {
+        "name": name,
+        "version": version,
+        "detector": model.name,
+        "feature_version": str(model.spec.version),
+        "source": model.source,
+    }
 
 
 class Bookkeeping:

@@ -23,13 +23,15 @@ drains what has arrived and flushes.
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kafka import KafkaProducer
 from kafka.serializer import DefaultSerializer
 
 from consumers.runtime.compacted import PositionLostError, Reader
-from consumers.runtime.metrics import Metrics, MetricsServer
+from consumers.runtime.endpoints import StatusServer
+from consumers.runtime.metrics import Metrics
+from consumers.runtime.probes import Probes
 from consumers.runtime.settings import ServeConfig
 from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import ensure_topics
@@ -66,8 +68,10 @@ class WriterStats:
 
 
 class TerminalTableWriter:
-    def __init__(self, cfg: ServeConfig, bootstrap: str, metrics: Metrics):
+    def __init__(self, cfg: ServeConfig, bootstrap: str, metrics: Metrics, probes: Probes | None = None):
         self.cfg, self.bootstrap, self.metrics = cfg, bootstrap, metrics
+        # Its own process's probes (run_writer); embedded in a service, the writer is no part of its readiness.
+        self.probes = probes or Probes()
         # One per deployment (its group): writers of other deployments on the cluster never fence this one.
         self.transactional_id = f"{cfg.transactional_id_prefix}-terminal-table-{cfg.group_id}"
         self.stats = WriterStats()
@@ -103,10 +107,12 @@ class TerminalTableWriter:
 
     def _loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
+            self.probes.beat()  # a run that fails and starts again (the broker away) is still alive
             try:
                 self._run(stop)
             except Exception as error:
                 self.stats.failed_runs += 1
+                self.probes.wait_for("table", f"the last run failed ({error!r}); starting again")
                 then = (
                     "stopping" if stop.is_set() else f"starting again from the table in {RETRY_AFTER_S:.0f} s"
                 )
@@ -142,12 +148,14 @@ class TerminalTableWriter:
             )  # fmt: skip
             featurizer = StreamingFeaturizer()
             feed.start_from_table(featurizer, reader, cfg.topic("terminal_table"))
+            self.probes.done("table")
             flushed_at = feed.positions()
             changed: set[str] = set()
             bad: list = []
             last_flush = time.monotonic()
             stopping = stop.is_set()
             while True:
+                self.probes.beat()
                 # Stopping: everything committed so far, this instance's last batch included, then a flush.
                 got = feed.read(to_high_watermark=stopping, timeout_s=DRAIN_TIMEOUT_S)
                 self._fold(featurizer, got, changed)
@@ -225,16 +233,25 @@ def run_writer(cfg: ServeConfig, bootstrap: str, stop_event: threading.Event | N
     SIGTERM/SIGINT arrives; it drains and flushes before returning. Creates missing topics like serve."""
     stop = stop_event or threading.Event()
     metrics = Metrics()
+    # Alive while its loop comes round (once a second, or after a table read bounded by restore_timeout_s).
+    probes = Probes(stall_after_s=cfg.restore_timeout_s + cfg.max_poll_interval_ms / 1000)
+    probes.wait_for("table", "creating topics, starting the producer, reading the terminal table")
+    metrics.read_from("txsentinel_ready", lambda: probes.ready()[0])
     with stop_on_signals(stop):
-        ensure_topics(cfg, bootstrap)
-        server = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port) if cfg.metrics_port else None
-        writer = TerminalTableWriter(cfg, bootstrap, metrics)
-        writer.start()
+        server = (
+            StatusServer(metrics, probes, cfg.metrics_host, cfg.metrics_port) if cfg.metrics_port else None
+        )
+        writer = None
         try:
+            ensure_topics(cfg, bootstrap)
+            writer = TerminalTableWriter(cfg, bootstrap, metrics, probes)
+            writer.start()
             stop.wait()
         finally:
-            writer.stop()
+            probes.wait_for("stop", "stopping: draining and flushing")
+            if writer is not None:
+                writer.stop()
             if server is not None:
                 server.close()
-    log.info("terminal writer stopped %s", writer.stats)
+    log.info("terminal writer stopped %s", writer.stats, extra=asdict(writer.stats))
     return writer.stats

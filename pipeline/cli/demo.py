@@ -5,8 +5,9 @@
 3. train the three sequence detectors (quick CPU profile) and the four per-event baselines, tracked and
    registered in a local MLflow store;
 4. promote the sequence detector with the best validation AP to `champion`, print the comparison table;
-5. start `txsentinel serve` with the champion, stream the test period's transactions (and their labels, on
-   their own topic) through Kafka at a steady rate, and show live progress;
+5. start `txsentinel serve` with the champion and wait for its /readyz, stream the test period's
+   transactions (and their labels, on their own topic) through Kafka at a steady rate, and show live
+   progress;
 6. summarise: events scored, alerts, precision of the alerts against the known labels, latency, and where
    to look next. Everything started is stopped at the end, also on Ctrl-C.
 """
@@ -17,6 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -29,6 +32,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.partitioner.default import murmur2
 from kafka.structs import TopicPartition
 
+from consumers.runtime.metrics import free_port
 from consumers.runtime.settings import ServeConfig, load_serve_config
 from consumers.scoring.messages import Label, Transaction, encode_label, encode_transaction
 from consumers.scoring.scorer import Scorer
@@ -146,7 +150,7 @@ def _seed_states(bootstrap: str, prefix: str, history: pl.DataFrame) -> int:
     return len(accounts)
 
 
-def _serve_process(bootstrap: str, prefix: str, env: dict, log) -> subprocess.Popen:
+def _serve_process(bootstrap: str, prefix: str, env: dict, log, port: int) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -162,18 +166,30 @@ def _serve_process(bootstrap: str, prefix: str, env: dict, log) -> subprocess.Po
         f"topic_prefix={prefix}",
         "--set",
         "transactions_partitions=3",
+        "--set",
+        f"metrics_port={port}",  # /readyz says when it serves; /metrics is there to look at
     ]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_until_serving(service: subprocess.Popen, log_path: Path, deadline_s: float) -> None:
-    """Until the service has its partitions and their restored states (it logs `restore done`)."""
+def _wait_until_serving(service: subprocess.Popen, port: int, log_path: Path, deadline_s: float) -> None:
+    """Until the service's /readyz answers 200: started, its partitions assigned and their states restored."""
     deadline = time.monotonic() + deadline_s
-    while "restore done" not in log_path.read_text():
+    said = "no answer yet"
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5):
+                return  # 200; a 503 raises HTTPError
+        except urllib.error.HTTPError as error:
+            said = error.read().decode().strip()  # what it still waits for
+        except OSError:
+            pass  # not listening yet: the service is still importing and loading the model
         if service.poll() is not None:
             raise RuntimeError(f"txsentinel serve exited with {service.returncode}; see {log_path}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"txsentinel serve was not ready within {deadline_s:.0f} s; see {log_path}")
+            raise TimeoutError(
+                f"txsentinel serve was not ready within {deadline_s:.0f} s ({said}); see {log_path}"
+            )
         time.sleep(0.5)
 
 
@@ -310,8 +326,9 @@ def run_demo(cfg: DemoConfig) -> int:
                 f"serve the champion and stream {live.height:,} transactions at {cfg.stream_events_per_s:,.0f}/s"
             )
             service_log = open(cfg.workdir / "serve.log", "w")  # noqa: SIM115 (closed after the service)
-            service = _serve_process(bootstrap, prefix, dict(os.environ), service_log)
-            _wait_until_serving(service, cfg.workdir / "serve.log", 180)
+            port = free_port()
+            service = _serve_process(bootstrap, prefix, dict(os.environ), service_log, port)
+            _wait_until_serving(service, port, cfg.workdir / "serve.log", 180)
             streamed = _stream(cfg, bootstrap, prefix, live, labels)
             summary = _summary(live, streamed)
         finally:

@@ -19,6 +19,7 @@ import configs
 from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.bench.cores import pin_to_one_core
 from pipeline.cli.errors import EXIT_INPUT, OperatorError
+from pipeline.cli.logs import add_logging_flags
 from pipeline.cli.serving import add_serve_settings, run_serve, run_terminal_writer
 
 
@@ -246,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerator", default=None, help="cpu (default) | gpu")
     p.add_argument("--devices", type=int, default=None, help="GPUs to use; > 1 trains with DDP")
     p.set_defaults(run=_train)
+    add_logging_flags(p, always=False)
 
     p = sub.add_parser("promote", help="point a registered-model alias (e.g. champion) at a version")
     which = p.add_mutually_exclusive_group(required=True)
@@ -268,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_settings(p)
     p.set_defaults(run=run_serve)
+    add_logging_flags(p, always=True)
 
     p = sub.add_parser(
         "terminal-writer",
@@ -275,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_settings(p)
     p.set_defaults(run=run_terminal_writer)
+    add_logging_flags(p, always=True)
 
     p = sub.add_parser(
         "schemas",
@@ -302,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="write JSON, CSV and plots here")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the results to MLflow")
     p.set_defaults(run=_backtest)
+    add_logging_flags(p, always=False)
 
     p = sub.add_parser("compare", help="one table and plots of the runs in an MLflow experiment")
     p.add_argument("--experiment", default="txsentinel")
@@ -384,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="where datasets and outputs go")
     p.set_defaults(run=_demo)
+    add_logging_flags(p, always=False)
     for command in (*sub.choices.values(), *bench.choices.values()):
         command.add_argument(
             "--debug", action="store_true", help="on an error, print the traceback as well as its one line"

@@ -49,6 +49,21 @@ def load_model(uri: str) -> LoadedModel:
     return load_model_dir(_find_model_dir(downloaded), source=uri)
 
 
+def registered_version(uri: str) -> tuple[str, str] | None:
+    """(name, version) of the registered model version that `models:/NAME/VERSION` or `models:/NAME@ALIAS`
+    names now; None for any other URI."""
+    if not uri.startswith("models:/"):
+        return None
+    name, _, version = uri.removeprefix("models:/").partition("/")
+    if version:
+        return name, version
+    name, _, alias = name.partition("@")
+    if not alias:
+        return None  # models:/NAME names no version
+    configure_tracking()
+    return name, str(MlflowClient().get_model_version_by_alias(name, alias).version)
+
+
 class _ScoringModel(mlflow.pyfunc.PythonModel):
     """pyfunc face of the artifact: feature rows of one account's events in order -> scores."""
 

@@ -141,7 +141,7 @@ def test_bad_input_goes_to_dead_letter_with_its_reason_and_the_rest_is_scored(
     # Every input record counted in a batch, every score's latency observed, nothing left behind.
     assert f"txsentinel_batch_events_sum {len(messages)}" in metrics
     assert f'txsentinel_latency_seconds_bucket{{le="+Inf"}} {len(events)}' in metrics
-    assert "txsentinel_consumer_lag 0\n" in metrics
+    assert "txsentinel_consumer_lag 0.0\n" in metrics  # prometheus_client writes every value as a float
 
 
 def test_a_restarted_service_resumes_from_committed_offsets_and_changelog_state(
