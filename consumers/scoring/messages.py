@@ -16,8 +16,8 @@ MessageError, whose text is the reason a person can act on; the service sends su
 (consumers/scoring/message_limits.py checks each value):
 - at most `max_message_bytes` of UTF-8 JSON (NaN and Infinity are not JSON), nested at most
   `max_json_depth` deep (checked before parsing: the parser recurses), one object with the required
-  fields; fields of other names are ignored and counted (UnknownFields), or refused with
-  unknown_fields = refuse;
+  fields, each named once (readers disagree on which of two values counts); fields of other names are
+  ignored and counted (UnknownFields), or refused with unknown_fields = refuse;
 - ids (event, account, terminal) and the optional texts of at most `max_id_chars` printable characters:
   no control, format or surrogate characters (a lone surrogate does not encode to UTF-8), no separators
   but the space;
@@ -32,8 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
-
+from consumers.scoring.json_text import json_depth, parse_json
 from consumers.scoring.message_limits import (
     MessageError,
     MessageLimits,
@@ -97,27 +96,6 @@ class UnknownFields:
         return taken
 
 
-def json_depth(value: bytes) -> int:
-    """How deep the arrays and objects of a JSON text nest (brackets inside strings aside); 0 for a scalar.
-
-    Vectorised over the bytes, so a hostile 64 KiB costs about a millisecond: a quote is escaped when an
-    odd run of backslashes precedes it, real quotes toggle "inside a string", and the depth is the running
-    sum of the brackets outside strings.
-    """
-    b = np.frombuffer(value, dtype=np.uint8)
-    if len(b) == 0:
-        return 0
-    index = np.arange(len(b))
-    backslash = b == 0x5C
-    run = index - np.maximum.accumulate(np.where(backslash, -1, index))  # backslashes ending at each byte
-    escaped = np.zeros(len(b), dtype=bool)
-    escaped[1:] = run[:-1] % 2 == 1
-    inside = np.cumsum((b == 0x22) & ~escaped) % 2 == 1  # an opening quote counts as inside: not a bracket
-    opens = ((b == 0x5B) | (b == 0x7B)) & ~inside
-    closes = ((b == 0x5D) | (b == 0x7D)) & ~inside
-    return int(np.cumsum(opens.astype(np.int64) - closes).max())
-
-
 def _object(
     value: bytes, fields: tuple[str, ...], optional: tuple[str, ...], limits, unknown: UnknownFields | None
 ) -> dict:
@@ -134,7 +112,7 @@ def _object(
     try:
         # UTF-8 only: json.loads of bytes would also take UTF-16 and UTF-32. NaN and Infinity parse (Python's
         # json allows them) and are refused where a number is checked.
-        data = json.loads(value.decode("utf-8"))
+        data = parse_json(value.decode("utf-8"))
     except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, too many digits
         raise MessageError(f"not valid UTF-8 JSON: {cut(str(error))}") from None
     if not isinstance(data, dict):

@@ -131,6 +131,12 @@ NOW_US = parse_ts("2026-03-01T12:00:00Z", "now")
         (message(ts="2099-12-31T00:00:00Z"), "in the future"),
         (message(ts="0001-01-01T00:00:00+01:00"), "is outside 2000..2099"),
         ('{"amount": 1}'.encode("utf-16"), "not valid UTF-8 JSON"),
+        (
+            message().replace(b'"account_id"', b'"account_id": "A2", "account_id"'),
+            "'account_id' appears more",
+        ),
+        (b"\xef\xbb\xbf" + message(), "not valid UTF-8 JSON: it starts with a byte order mark"),
+        (b"", "not valid UTF-8 JSON: Expecting value"),
     ],
 )
 def test_hostile_transactions_are_refused_with_a_reason(raw, reason):
@@ -260,3 +266,14 @@ def test_scores_in_epoch_milliseconds_equal_the_reference():
     fast = encode_scores(records, "3", "epoch_ms")
     assert fast == [encode_score(records[0], "3", "epoch_ms")]
     assert json.loads(fast[0])["ts"] == 1772366400250
+
+
+def test_a_field_named_twice_is_refused_whichever_value_a_reader_would_take():
+    # Python's json takes the last value, other readers the first: the message means two events at once.
+    label = b'{"event_id":"E1","account_id":"A1","terminal_id":"T","terminal_id":"T2","is_fraud":true,'
+    with pytest.raises(MessageError, match="field 'terminal_id' appears more than once"):
+        decode_label(label + b'"label_ts":"2026-03-01T12:00:00Z"}', MessageLimits(), NOW_US)
+    same = message().replace(b'"event_id": "E1"', b'"event_id": "E1", "event_id": "E1"')
+    with pytest.raises(MessageError, match="field 'event_id' appears more than once"):
+        decode_transaction(same, MessageLimits(), NOW_US)  # even with equal values: no reader need guess
+    assert decode_transaction(message(), MessageLimits(), NOW_US).account_id == "A1"
