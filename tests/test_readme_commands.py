@@ -103,7 +103,7 @@ PREPARED = {
     "txsentinel generate", "txsentinel ingest", "txsentinel features", "txsentinel train", "txsentinel promote",
 }  # fmt: skip
 RUN_WITHOUT_BROKER = {
-    "mlflow ui", "scripts/gpu_check.sh", "txsentinel backtest", "txsentinel compare",
+    "mlflow ui", "mlflow models", "scripts/gpu_check.sh", "txsentinel backtest", "txsentinel compare",
     "txsentinel bench features", "txsentinel bench models", "txsentinel bench replay",
 }  # fmt: skip
 RUN_ON_THE_BROKER = {"scripts/kafka.sh", "txsentinel serve", "txsentinel bench stream"}
@@ -272,6 +272,37 @@ def test_doc_commands_run_as_written_without_a_broker(prepared):
         finally:
             os.killpg(ui.pid, signal.SIGTERM)
             ui.wait(timeout=30)
+
+    for words in work.each("mlflow models"):  # serve, as docs/operations.md shows it: a batch over HTTP
+        port = free_port()
+        words[words.index("--port") + 1] = str(port)
+        on_path = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
+        with (tmp_path / "models-serve.log").open("w") as sink:
+            server = subprocess.Popen(
+                words,
+                cwd=tmp_path,
+                env=on_path,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            wait_for_http(f"http://127.0.0.1:{port}/ping", server, timeout_s=300)
+            rows = pl.read_parquet(tmp_path / "runs" / "data" / "transactions.parquet").tail(50)
+            rows = rows.drop("scenario").with_columns(
+                pl.col("ts", "label_ts").dt.strftime("%Y-%m-%dT%H:%M:%S%.6f")
+            )
+            body = json.dumps({"dataframe_split": {"columns": rows.columns, "data": rows.rows()}}).encode()
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/invocations", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=120) as response:
+                predictions = json.loads(response.read())["predictions"]
+            assert [p["event_id"] for p in predictions] == rows["event_id"].to_list()
+            assert all(0.0 <= p["score"] <= 1.0 for p in predictions)
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
 
     for words in work.each("scripts/gpu_check.sh"):
         run([*words, "--device", "cpu", "--quick"], tmp_path, env)  # no GPU here: its CPU smoke mode

@@ -43,9 +43,7 @@ from consumers.scoring.results import Rejected, Scored, ScoredArrays, ScoreRecor
 from consumers.scoring.state_store import StateStore, rounds_of
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, LabelBatch, replay_batches, take_events
-from pipeline.registry.artifact import LoadedModel
-
-DEFAULT_THRESHOLD = 0.5  # on the probability, when neither the caller nor the model's meta gives one
+from pipeline.registry.artifact import DEFAULT_THRESHOLD, LoadedModel
 
 
 class Scorer(HeldAccounts):

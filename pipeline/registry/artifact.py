@@ -25,6 +25,7 @@ from pipeline.features.spec import FeatureSpec
 
 ARTIFACT_VERSION = 1
 MODEL_DIR_ARTIFACT = "model_dir"
+DEFAULT_THRESHOLD = 0.5  # on the probability, when neither the caller nor the model's meta gives one
 
 
 @dataclass

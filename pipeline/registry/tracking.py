@@ -1,4 +1,5 @@
-"""MLflow: where runs go, how a trained detector becomes a registered model, and aliases.
+"""MLflow: where runs go, loading a registered model for the service, aliases and promotion (the logged
+model itself: pyfunc_model.py).
 
 Default tracking store: SQLite `mlflow.db` in the working directory (browse it with
 `mlflow ui --backend-store-uri sqlite:///mlflow.db`); MLFLOW_TRACKING_URI points anywhere else.
@@ -10,11 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import numpy as np
-import torch
 from mlflow.tracking import MlflowClient
 
-from pipeline.registry.artifact import MODEL_DIR_ARTIFACT, LoadedModel, load_model_dir
+from pipeline.registry.artifact import LoadedModel, load_model_dir
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -64,41 +63,12 @@ def registered_version(uri: str) -> tuple[str, str] | None:
     return name, str(MlflowClient().get_model_version_by_alias(name, alias).version)
 
 
-class _ScoringModel(mlflow.pyfunc.PythonModel):
-    """pyfunc face of the artifact: feature rows of one account's events in order -> scores."""
-
-    def load_context(self, context):
-        self.model = load_model_dir(Path(context.artifacts[MODEL_DIR_ARTIFACT]))
-
-    # The np.ndarray hints tell MLflow the rows are a plain array (no schema to infer from them), which also
-    # keeps it from warning, on every import, that predict has no type hints.
-    def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:
-        x = torch.as_tensor(np.asarray(model_input, dtype=np.float32))[None]  # [1, T, F + 1]
-        with torch.inference_mode():
-            scores, _ = self.model.detector(x)
-        return torch.sigmoid(scores[0]).numpy()
-
-
 def pinned_requirements(*packages: str) -> list[str]:
     """This environment's versions of `packages`, so MLflow need not infer them (inference imports the
     model in a subprocess and costs tens of seconds per run)."""
-    return [f"{name}=={importlib.metadata.version(name)}" for name in packages]
-
-
-SERVING_REQUIREMENTS = ("torch", "mlflow", "numpy", "polars", "pyyaml")
-
-
-def log_and_register(model_dir: Path, registered_name: str) -> tuple[str, int]:
-    """Log the artifact directory as this run's MLflow model and register it; returns (model URI, version)."""
-    info = mlflow.pyfunc.log_model(
-        name="model",
-        python_model=_ScoringModel(),
-        artifacts={MODEL_DIR_ARTIFACT: str(model_dir)},
-        registered_model_name=registered_name,
-        pip_requirements=pinned_requirements(*SERVING_REQUIREMENTS),
-    )
-    version = info.registered_model_version
-    return info.model_uri, int(version) if version is not None else -1
+    # A local version label (torch's "+cu132") names a build of one index, not a release: drop it, so a
+    # fresh environment installs that release from wherever its packages come from.
+    return [f"{name}=={importlib.metadata.version(name).split('+')[0]}" for name in packages]
 
 
 PROMOTION_METRICS = (

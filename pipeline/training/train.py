@@ -31,7 +31,8 @@ from pipeline.evaluation.plots import log_evaluation
 from pipeline.evaluation.protocol import detection_metrics, scenario_metrics
 from pipeline.features import compute_features, fit_feature_spec
 from pipeline.registry.artifact import save_model_dir
-from pipeline.registry.tracking import configure_tracking, log_and_register, log_params
+from pipeline.registry.pyfunc_model import log_and_register
+from pipeline.registry.tracking import configure_tracking, log_params
 from pipeline.training.baselines import BASELINES, train_baseline
 from pipeline.training.config import TrainConfig, TrainResult, flatten, resolve_split
 from pipeline.training.datamodule import HistoryDataModule, Window

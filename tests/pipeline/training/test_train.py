@@ -95,9 +95,11 @@ frame = read_dataset("data")
 seqs = build_sequences(compute_features(frame).filter(pl.col("account_id") == {account!r}), model.spec, None)
 scores, _ = model.detector(account_inputs(seqs, 0)[None])
 assert "lightning" not in " ".join(sys.modules), "the loader pulled in Lightning"
-import mlflow, torch  # the same model through MLflow's generic pyfunc face: one account's rows -> probabilities
-pyfunc = mlflow.pyfunc.load_model("models:/txsentinel@champion").predict(account_inputs(seqs, 0).numpy())
-np.testing.assert_allclose(pyfunc, torch.sigmoid(scores[0]).detach().numpy(), atol=1e-6)
+import mlflow, torch  # the same model through MLflow's generic pyfunc face: raw transactions -> probabilities
+raw = frame.with_columns(pl.col("ts", "label_ts").dt.replace_time_zone(None)).to_pandas()
+pyfunc = pl.from_pandas(mlflow.pyfunc.load_model("models:/txsentinel@champion").predict(raw))
+pyfunc = pl.DataFrame({{"event_id": seqs.event_ids}}).join(pyfunc, on="event_id", how="left")
+np.testing.assert_allclose(pyfunc["score"].to_numpy(), torch.sigmoid(scores[0]).detach().numpy(), atol=1e-6)
 print(json.dumps({{"event_ids": seqs.event_ids.tolist(), "scores": scores[0].tolist()}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
