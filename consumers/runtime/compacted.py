@@ -102,6 +102,20 @@ def read_recent(
     return dict(recent), where, read
 
 
+def read_places(
+    reader: Reader, topic: str, starts: dict[int, int], timeout_s: float
+) -> tuple[dict[str, tuple[int, int] | None], int]:
+    """({key: (partition, offset) of its last record, None if deleted}, records read) of the records of
+    partitions `starts` from the given offsets up to their high watermarks: the tail of a changelog past
+    the records already known, read without keeping any value."""
+    places: dict[str, tuple[int, int] | None] = {}
+    read = 0
+    for key, record in _records(reader, topic, sorted(starts), timeout_s, starts=starts):
+        places[key] = None if record.value is None else (record.partition, record.offset)
+        read += 1
+    return places, read
+
+
 def read_at(
     reader: Reader, topic: str, wanted: dict[str, tuple[int, int]], timeout_s: float
 ) -> dict[str, bytes]:
@@ -159,16 +173,24 @@ def read_at(
 
 
 def _records(
-    reader: Reader, topic: str, partitions: list[int], timeout_s: float, last_key: str | None = None
+    reader: Reader,
+    topic: str,
+    partitions: list[int],
+    timeout_s: float,
+    last_key: str | None = None,
+    starts: dict[int, int] | None = None,
 ):
-    """(key, record) for every committed record of the partitions, from their beginning to their high
-    watermarks at the start, waiting out transactions still open there (module docstring); then on, while
-    `last_key` is given and the last record read had another key."""
+    """(key, record) for every committed record of the partitions, from their beginning (or from
+    starts[partition]) to their high watermarks at the start, waiting out transactions still open there
+    (module docstring); then on, while `last_key` is given and the last record read had another key."""
     started = time.monotonic()
     tps = [TopicPartition(topic, p) for p in partitions]
     consumer = reader.committed
     consumer.assign(tps)
     consumer.seek_to_beginning(*tps)
+    for tp in tps:
+        if starts and starts.get(tp.partition):
+            consumer.seek(tp, starts[tp.partition])
     end = reader.watermarks.end_offsets(tps)
     read, next_log = 0, started + PROGRESS_EVERY_S
     last = last_key  # the last record's key; nothing read yet counts as ending right

@@ -15,9 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from consumers.scoring.account_state import decode_account_record, encode_account_records
-from models.state_codec import decode_account_state, encode_state_rows
+from consumers.scoring.account_state import (
+    bad_account_records,
+    decode_account_record,
+    decode_account_records,
+    encode_account_records,
+)
+from models.state_codec import decode_account_state, decode_state_rows, encode_state_rows
 from pipeline.features.stream_batches import FeaturizerCheckpoint
+
+RESTORE_CHUNK = 65_536  # accounts decoded at once by restore_accounts: bounds the copies it makes
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,45 @@ class HeldAccounts:
         self.store.recent_next[row] = record.recent_next
         self.featurizer.accounts.put_bytes(account_id, record.features)
         self._changed.discard(account_id)  # memory now equals the record
+
+    @torch.inference_mode()
+    def restore_accounts(self, account_ids: Sequence[str], values: Sequence[bytes]) -> None:
+        """restore_account of many accounts (distinct ids) with one decode and one scatter for all of them:
+        a restore of a million accounts one at a time costs ~40 us each in Python alone.
+
+        Raises ValueError as restore_account does, naming the first record refused; the accounts before
+        it in a chunk of RESTORE_CHUNK may already be restored.
+        """
+        for start in range(0, len(account_ids), RESTORE_CHUNK):
+            ids = list(account_ids[start : start + RESTORE_CHUNK])
+            chunk = values[start : start + RESTORE_CHUNK]
+            records = decode_account_records(chunk)
+            if records is None:  # older versions or several lengths: one at a time
+                for account, value in zip(ids, chunk, strict=True):
+                    self.restore_account(account, value)
+                continue
+            bad = bad_account_records(records)
+            foreign = np.flatnonzero(records["header"]["model"] != self.model_fingerprint)
+            first = min([*bad[:1], *foreign[:1]], default=None)
+            if first is not None:
+                self.restore_account(ids[first], chunk[first])  # raises with what is wrong and what to do
+            try:
+                state = decode_state_rows(self.detector, records["detector"])  # [n, ...]
+            except ValueError as error:  # "state record i: ..." -> the account's name
+                at = int(str(error).split(":")[0].removeprefix("state record "))
+                self.restore_account(ids[at], chunk[at])
+                raise
+            header = records["header"]
+            rows = self.store.rows(ids)
+            self.store.scatter(rows, state)
+            self.store.partition[rows] = header["partition"]
+            self.store.offset[rows] = header["offset"]
+            self.store.last_ts_us[rows] = header["last_ts_us"]
+            self.store.recent_ids[rows] = records["recent_ids"]
+            self.store.recent_next[rows] = header["recent_next"]
+            table = self.featurizer.accounts
+            table.records[table.slots(ids)] = records["features"]
+            self._changed.difference_update(ids)  # memory now equals the records
 
     def evict(self, account_id: str, discard_changes: bool = False) -> None:
         """Forget an account (its record can restore it later).
