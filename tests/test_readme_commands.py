@@ -39,6 +39,7 @@ COVERED_ELSEWHERE = {
     "txsentinel demo": ("tests/test_demo.py", "run_demo"),
     "txsentinel terminal-writer": ("tests/integration/test_service_labels.py", '"terminal-writer"'),
     "txsentinel bench quality": ("tests/pipeline/bench/test_quality.py", '"bench", "quality"'),
+    "txsentinel bench restore": ("tests/pipeline/bench/test_restore.py", '"bench", "restore"'),
 }
 
 # (pattern, replacement) applied in order to each command before it runs: smaller sizes, filled placeholders.

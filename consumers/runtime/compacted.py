@@ -13,14 +13,19 @@ into an error that says how far it got; progress is logged on long restores.
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kafka import KafkaConsumer
+from kafka.consumer.fetcher import ConsumerRecord
 from kafka.structs import TopicPartition
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 5.0
+# Fetch sizes of a reader that restores whole partitions: fewer, larger fetches (kafka-python's defaults
+# are 1 MB a partition, 50 MB a fetch: a round trip per ~600 LSTM states)
+RESTORE_FETCH = {"max_partition_fetch_bytes": 16 * 1024 * 1024, "fetch_max_bytes": 64 * 1024 * 1024}
 
 
 def group_less_consumer(
@@ -100,6 +105,21 @@ def read_recent(
         if len(recent) > keep:
             recent.popitem(last=False)
     return dict(recent), where, read
+
+
+def read_chunks(
+    reader: Reader, topic: str, partitions: list[int], timeout_s: float, chunk_records: int
+) -> Iterator[list[tuple[str, ConsumerRecord]]]:
+    """The (key, record) pairs of read_latest, in order, up to `chunk_records` at a time: for a caller
+    that applies them as they come instead of holding every value (consumers/service/state_restore.py)."""
+    chunk: list[tuple[str, ConsumerRecord]] = []
+    for pair in _records(reader, topic, partitions, timeout_s):
+        chunk.append(pair)
+        if len(chunk) >= chunk_records:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def read_places(

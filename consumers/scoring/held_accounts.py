@@ -146,7 +146,7 @@ class HeldAccounts:
                 self.restore_account(ids[at], chunk[at])
                 raise
             header = records["header"]
-            rows = self.store.rows(ids)
+            rows = _rows(self.store.slot_of, self.store.add, ids)
             self.store.scatter(rows, state)
             self.store.partition[rows] = header["partition"]
             self.store.offset[rows] = header["offset"]
@@ -154,7 +154,8 @@ class HeldAccounts:
             self.store.recent_ids[rows] = records["recent_ids"]
             self.store.recent_next[rows] = header["recent_next"]
             table = self.featurizer.accounts
-            table.records[table.slots(ids)] = records["features"]
+            slots = _rows(table.slot_of, table.add, ids)  # first: it may grow table.records
+            table.records[slots] = records["features"]
             self._changed.difference_update(ids)  # memory now equals the records
 
     def evict(self, account_id: str, discard_changes: bool = False) -> None:
@@ -207,3 +208,14 @@ class HeldAccounts:
         self._changed |= checkpoint.changed
         self.featurizer.rollback(checkpoint.featurizer)
         self.stats = checkpoint.stats
+
+
+def _rows(slot_of: dict[str, int], add, ids: list[str]) -> np.ndarray:
+    """[N] rows of distinct `ids`: those held keep theirs, the others get new ones from `add` in one block."""
+    found = list(map(slot_of.get, ids))
+    if None not in found:
+        return np.asarray(found, dtype=np.int64)
+    new = [i for i, row in enumerate(found) if row is None]
+    rows = np.asarray([-1 if row is None else row for row in found], dtype=np.int64)
+    rows[new] = add([ids[i] for i in new])
+    return rows

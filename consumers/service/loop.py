@@ -24,7 +24,7 @@ from dataclasses import asdict
 from kafka import KafkaConsumer
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 
-from consumers.runtime.compacted import Reader, read_at
+from consumers.runtime.compacted import RESTORE_FETCH, Reader, read_at
 from consumers.runtime.metrics import Metrics, MetricsServer
 from consumers.runtime.settings import ServeConfig
 from consumers.runtime.signals import stop_on_signals
@@ -118,7 +118,7 @@ class _Service(Restore, Transactions, Bookkeeping):
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port)
         # Reads the changelog on assignment and the terminal table; no group, so it never joins or commits.
-        self.restorer = Reader.connect(bootstrap, "txsentinel-serve-restore", **security)
+        self.restorer = Reader.connect(bootstrap, "txsentinel-serve-restore", **RESTORE_FETCH, **security)
         self.bootstrap = bootstrap
         self._new_producer()
         counts = {}

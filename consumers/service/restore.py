@@ -14,7 +14,7 @@ in memory, without a pause. The listener below hears only what changed:
   2. changelog partition p is read from its beginning up to its end (read_committed, consumers/runtime/
      compacted.py keeps to restore_timeout_s and logs its progress), and every account of p is held, up
      to max_states_in_memory (the rest stay dormant in the changelog, consumers/service/dormant.py),
-     decoded in chunks (Scorer.restore_accounts);
+     applied in chunks as they stream in (consumers/service/state_restore.py);
   3. the consumer is sought to the offsets of step 1 and the partitions resumed.
 
 After an aborted batch (_rewind), only its accounts leave memory: their last committed records come back
@@ -38,8 +38,9 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaTimeoutError
 from kafka.structs import TopicPartition
 
-from consumers.runtime.compacted import read_places, read_recent
+from consumers.runtime.compacted import read_places
 from consumers.service.commit_pipeline import Committed
+from consumers.service.state_restore import restore_partitions
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +155,13 @@ class Restore:
         # Memory takes the accounts written most recently, up to its capacity; the others stay dormant in
         # the changelog, their places noted, until they return (consumers/service/dormant.py).
         room = max(self.dormant.capacity - len(self.scorer.accounts_in_memory), 0)
-        latest, where, read = read_recent(
-            self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s, keep=room
-        )
         # refuses another model's states, saying what to do
-        self.scorer.restore_accounts(list(latest), list(latest.values()))
-        restored = len(latest)
+        done = restore_partitions(
+            self.scorer, self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s, keep=room
+        )
+        restored, read, where = len(done.accounts), done.read, done.where
         self.dormant.drop_partitions(partitions)
-        self.dormant.restored(where, latest, self.batches.seq if self.batches else 0)
+        self.dormant.restored(where, done.accounts, self.batches.seq if self.batches else 0)
         seconds = time.monotonic() - started
         self.stats.restored_states += restored
         self.stats.restore_s += seconds
