@@ -108,16 +108,18 @@ def read_recent(
 
 
 def read_chunks(
-    reader: Reader, topic: str, partitions: list[int], timeout_s: float, chunk_records: int
+    reader: Reader, topic: str, partitions: list[int], timeout_s: float, chunk_bytes: int
 ) -> Iterator[list[tuple[str, ConsumerRecord]]]:
-    """The (key, record) pairs of read_latest, in order, up to `chunk_records` at a time: for a caller
-    that applies them as they come instead of holding every value (consumers/service/state_restore.py)."""
+    """The (key, record) pairs of read_latest, in order, about `chunk_bytes` of values at a time: for a
+    caller that applies them as they come instead of holding every value (consumers/service/state_restore.py)."""
     chunk: list[tuple[str, ConsumerRecord]] = []
+    size = 0
     for pair in _records(reader, topic, partitions, timeout_s):
         chunk.append(pair)
-        if len(chunk) >= chunk_records:
+        size += pair[1].serialized_value_size
+        if size >= chunk_bytes:
             yield chunk
-            chunk = []
+            chunk, size = [], 0
     if chunk:
         yield chunk
 

@@ -1,12 +1,12 @@
 """Changelog partitions read back into a Scorer as they stream in, in bounded memory.
 
 The changelog is compacted, so it may still hold several records of one account, the last one counting.
-Records are applied in chunks of CHUNK_RECORDS, in the order read: within a chunk the last value of each
+Records are applied in chunks of about CHUNK_BYTES, in the order read: within a chunk the last value of each
 account wins, and a later chunk overwrites what an earlier one restored, so the scorer ends holding each
 account's last record. Memory holds at most `keep` of them, the most recently written: an account pushed
 out by newer ones is let go of again (it stays dormant, its place noted). So the values of one chunk are in
-memory at a time, never the whole partition's: at 1M accounts of ~1.6 KB that is 100 MB, not 1.6 GB, next
-to the states themselves.
+memory at a time (with the copies its decoding makes, a few times CHUNK_BYTES), never the whole
+partition's: at 1M accounts of ~1.8 KB that is ~100 MB, not 1.8 GB, next to the states themselves.
 
 Per record, Python does only what the order needs (a few dict operations); decoding and copying the states
 is one batched call per chunk (Scorer.restore_accounts).
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from consumers.runtime.compacted import Reader, read_chunks
 from consumers.scoring.scorer import Scorer
 
-CHUNK_RECORDS = 65_536
+CHUNK_BYTES = 32 * 1024 * 1024  # ~18,000 LSTM or ~3,500 linear Transformer states of the default size
 
 Place = tuple[int, int]  # (changelog partition, offset)
 
@@ -54,7 +54,7 @@ def _restore(
     recent: OrderedDict[str, None] = OrderedDict()  # accounts held, by the order of their last record
     where: dict[str, Place] = {}
     read = 0
-    for chunk in read_chunks(reader, topic, partitions, timeout_s, CHUNK_RECORDS):
+    for chunk in read_chunks(reader, topic, partitions, timeout_s, CHUNK_BYTES):
         read += len(chunk)
         latest: dict[str, bytes] = {}
         for key, record in chunk:
