@@ -97,17 +97,31 @@ def decode_state(detector: RecurrentDetector, records: list[bytes]) -> State:
     for i, record in enumerate(records):
         if len(record) != expected or not record.startswith(header):
             raise ValueError(f"state record {i}: {_mismatch(detector, record, header, expected)}")
-    if not records:
-        return {
-            key: torch.empty(0, *shape, dtype=dtype, device=detector.device) for key, shape, dtype in layout
-        }
     rows = np.frombuffer(b"".join(records), dtype=np.uint8).reshape(len(records), expected)
-    rows = rows[:, len(header) :]
-    state, offset = {}, 0
+    return decode_state_rows(detector, rows)
+
+
+def decode_state_rows(detector: RecurrentDetector, rows: np.ndarray) -> State:
+    """decode_state of records laid out as one array [B, record bytes] uint8 (the inverse of
+    encode_state_rows): the header check is one comparison for the whole batch, not one per record.
+
+    Raises ValueError naming the first row that does not match this detector and what to do about it.
+    """
+    layout, header = _codec(detector)
+    expected = len(header) + _payload_bytes(layout)
+    if rows.ndim != 2 or rows.shape[1] != expected:
+        first = bytes(rows[0]) if rows.ndim == 2 and len(rows) else b""
+        raise ValueError(f"state record 0: {_mismatch(detector, first, header, expected)}")
+    bad = np.flatnonzero((rows[:, : len(header)] != np.frombuffer(header, dtype=np.uint8)).any(axis=1))
+    if len(bad):
+        raise ValueError(
+            f"state record {bad[0]}: {_mismatch(detector, bytes(rows[bad[0]]), header, expected)}"
+        )
+    state, offset = {}, len(header)
     for key, shape, dtype in layout:
         width = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
         chunk = rows[:, offset : offset + width].copy()  # contiguous rows, writable, aligned
-        tensor = torch.from_numpy(chunk).view(dtype).reshape(len(records), *shape)
+        tensor = torch.from_numpy(chunk).view(dtype).reshape(len(rows), *shape)
         state[key] = tensor.to(detector.device)
         offset += width
     return state

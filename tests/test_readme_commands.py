@@ -43,6 +43,7 @@ COVERED_ELSEWHERE = {
     "uv build": ("tests/test_packaging.py", 'uv("build"'),
     "uv export": ("tests/test_packaging.py", '"export",'),
     "uv venv": ("tests/test_packaging.py", 'uv("venv"'),
+    "txsentinel bench restore": ("tests/pipeline/bench/test_restore.py", '"bench", "restore"'),
 }
 
 # (pattern, replacement) applied in order to each command before it runs: smaller sizes, filled placeholders.

@@ -18,15 +18,20 @@ are gone, instead of moving to the log's end (kafka-python's default) and skippi
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kafka import KafkaConsumer
+from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import OffsetOutOfRangeError
 from kafka.structs import TopicPartition
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 5.0
+# Fetch sizes of a reader that restores whole partitions: fewer, larger fetches (kafka-python's defaults
+# are 1 MB a partition, 50 MB a fetch: a round trip per ~600 LSTM states)
+RESTORE_FETCH = {"max_partition_fetch_bytes": 16 * 1024 * 1024, "fetch_max_bytes": 64 * 1024 * 1024}
 
 
 class PositionLostError(RuntimeError):
@@ -151,6 +156,37 @@ def read_recent(
     return dict(recent), where, read
 
 
+def read_chunks(
+    reader: Reader, topic: str, partitions: list[int], timeout_s: float, chunk_bytes: int
+) -> Iterator[list[tuple[str, ConsumerRecord]]]:
+    """The (key, record) pairs of read_latest, in order, about `chunk_bytes` of values at a time: for a
+    caller that applies them as they come instead of holding every value (consumers/service/state_restore.py)."""
+    chunk: list[tuple[str, ConsumerRecord]] = []
+    size = 0
+    for pair in _records(reader, topic, partitions, timeout_s):
+        chunk.append(pair)
+        size += pair[1].serialized_value_size
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def read_places(
+    reader: Reader, topic: str, starts: dict[int, int], timeout_s: float
+) -> tuple[dict[str, tuple[int, int] | None], int]:
+    """({key: (partition, offset) of its last record, None if deleted}, records read) of the records of
+    partitions `starts` from the given offsets up to their high watermarks: the tail of a changelog past
+    the records already known, read without keeping any value."""
+    places: dict[str, tuple[int, int] | None] = {}
+    read = 0
+    for key, record in _records(reader, topic, sorted(starts), timeout_s, starts=starts):
+        places[key] = None if record.value is None else (record.partition, record.offset)
+        read += 1
+    return places, read
+
+
 def read_at(
     reader: Reader, topic: str, wanted: dict[str, tuple[int, int]], timeout_s: float
 ) -> dict[str, bytes]:
@@ -208,16 +244,24 @@ def read_at(
 
 
 def _records(
-    reader: Reader, topic: str, partitions: list[int], timeout_s: float, last_key: str | None = None
+    reader: Reader,
+    topic: str,
+    partitions: list[int],
+    timeout_s: float,
+    last_key: str | None = None,
+    starts: dict[int, int] | None = None,
 ):
-    """(key, record) for every committed record of the partitions, from their beginning to their high
-    watermarks at the start, waiting out transactions still open there (module docstring); then on, while
-    `last_key` is given and the last record read had another key."""
+    """(key, record) for every committed record of the partitions, from their beginning (or from
+    starts[partition]) to their high watermarks at the start, waiting out transactions still open there
+    (module docstring); then on, while `last_key` is given and the last record read had another key."""
     started = time.monotonic()
     tps = [TopicPartition(topic, p) for p in partitions]
     consumer = reader.committed
     consumer.assign(tps)
     consumer.seek_to_beginning(*tps)
+    for tp in tps:
+        if starts and starts.get(tp.partition):
+            consumer.seek(tp, starts[tp.partition])
     end = reader.watermarks.end_offsets(tps)
     read, next_log = 0, started + PROGRESS_EVERY_S
     last = last_key  # the last record's key; nothing read yet counts as ending right

@@ -68,6 +68,14 @@ METRICS = {
         "Time spent restoring account states from the changelog.",
     ),
     "txsentinel_restored_states_total": ("counter", "Account state records read from the changelog."),
+    "txsentinel_changelog_records_read_total": (
+        "counter",
+        "Changelog records read by restores of assigned partitions and by rewinds (the tail past what is known).",
+    ),
+    "txsentinel_states_rewound_total": (
+        "counter",
+        "Account states let go of after an aborted batch; their redelivered events read them back.",
+    ),
     "txsentinel_states_in_memory": ("gauge", "Account states held in memory."),
     "txsentinel_assigned_partitions": ("gauge", "Transactions partitions assigned to this instance."),
     "txsentinel_ready": (

@@ -199,6 +199,52 @@ def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
     )
 
 
+def decode_account_records(values: list[bytes]) -> np.ndarray | None:
+    """Version-2 records of N accounts as one structured array [N] (header, recent ids, featurizer record,
+    detector record bytes): the inverse of encode_account_records, checked for the whole batch at once.
+
+    None when they are not all version 2 of one length: decode those one by one (decode_account_record).
+    Rows whose header is wrong are named by bad_account_records; this call does not raise for them.
+    """
+    if not values:
+        return None
+    length = len(values[0])
+    detector_bytes = length - _HEADER.size - 8 * RECENT_EVENT_IDS - ACCOUNT_STATE.itemsize
+    if detector_bytes <= 0 or any(len(v) != length for v in values):
+        return None
+    row = _record_row(detector_bytes)
+    records = np.frombuffer(b"".join(values), dtype=row)  # [N], one copy of the batch's bytes
+    if (records["header"]["version"] != RECORD_VERSION).any():
+        return None  # version 1 among them: read one by one
+    return records
+
+
+def bad_account_records(records: np.ndarray) -> np.ndarray:
+    """Positions of the rows of decode_account_records that decode_account_record would refuse."""
+    header = records["header"]
+    wrong = (
+        (header["magic"] != MAGIC)
+        | (header["featurizer_state_version"] != FEATURIZER_STATE_VERSION)
+        | (header["feature_version"] != FEATURE_VERSION)
+        | (header["recent_count"] != RECENT_EVENT_IDS)
+        | (header["recent_next"] >= RECENT_EVENT_IDS)
+        | (header["features_bytes"] != ACCOUNT_STATE.itemsize)
+        | (header["detector_bytes"] != records.dtype["detector"].itemsize)
+    )
+    return np.flatnonzero(wrong)
+
+
+def _record_row(detector_bytes: int) -> np.dtype:
+    return np.dtype(
+        [
+            ("header", _HEADER_ROW),
+            ("recent_ids", "<u8", (RECENT_EVENT_IDS,)),
+            ("features", ACCOUNT_STATE),
+            ("detector", np.uint8, (detector_bytes,)),
+        ]
+    )
+
+
 def model_fingerprint(detector: RecurrentDetector) -> bytes:
     """8 bytes identifying detector name, config and weights: the states a model writes are its own."""
     digest = hashlib.sha256(detector.name.encode() + detector.config.fingerprint())

@@ -21,10 +21,12 @@ import torch
 
 from consumers.scoring.account_state import (
     RECENT_EVENT_IDS,
+    bad_account_records,
     decode_account_record,
+    decode_account_records,
     encode_account_records,
 )
-from models.state_codec import decode_account_state, encode_state_rows
+from models.state_codec import decode_account_state, decode_state_rows, encode_state_rows
 from pipeline.features.state import ACCOUNT_STATE
 from pipeline.features.stream_batches import FeaturizerCheckpoint
 
@@ -33,6 +35,7 @@ from pipeline.features.stream_batches import FeaturizerCheckpoint
 ACCOUNT_OVERHEAD_BYTES = 400
 # The store's numpy bookkeeping per row: partition, offset, newest ts, the recent-ids ring and its next slot.
 STORE_ROW_BYTES = 8 * (4 + RECENT_EVENT_IDS)
+RESTORE_CHUNK = 65_536  # accounts decoded at once by restore_accounts: bounds the copies it makes
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,46 @@ class HeldAccounts:
         self.featurizer.accounts.put_bytes(account_id, record.features)
         self._changed.discard(account_id)  # memory now equals the record
 
+    @torch.inference_mode()
+    def restore_accounts(self, account_ids: Sequence[str], values: Sequence[bytes]) -> None:
+        """restore_account of many accounts (distinct ids) with one decode and one scatter for all of them:
+        a restore of a million accounts one at a time costs ~40 us each in Python alone.
+
+        Raises ValueError as restore_account does, naming the first record refused; the accounts before
+        it in a chunk of RESTORE_CHUNK may already be restored.
+        """
+        for start in range(0, len(account_ids), RESTORE_CHUNK):
+            ids = list(account_ids[start : start + RESTORE_CHUNK])
+            chunk = values[start : start + RESTORE_CHUNK]
+            records = decode_account_records(chunk)
+            if records is None:  # older versions or several lengths: one at a time
+                for account, value in zip(ids, chunk, strict=True):
+                    self.restore_account(account, value)
+                continue
+            bad = bad_account_records(records)
+            foreign = np.flatnonzero(records["header"]["model"] != self.model_fingerprint)
+            first = min([*bad[:1], *foreign[:1]], default=None)
+            if first is not None:
+                self.restore_account(ids[first], chunk[first])  # raises with what is wrong and what to do
+            try:
+                state = decode_state_rows(self.detector, records["detector"])  # [n, ...]
+            except ValueError as error:  # "state record i: ..." -> the account's name
+                at = int(str(error).split(":")[0].removeprefix("state record "))
+                self.restore_account(ids[at], chunk[at])
+                raise
+            header = records["header"]
+            rows = _rows(self.store.slot_of, self.store.add, ids)
+            self.store.scatter(rows, state)
+            self.store.partition[rows] = header["partition"]
+            self.store.offset[rows] = header["offset"]
+            self.store.last_ts_us[rows] = header["last_ts_us"]
+            self.store.recent_ids[rows] = records["recent_ids"]
+            self.store.recent_next[rows] = header["recent_next"]
+            table = self.featurizer.accounts
+            slots = _rows(table.slot_of, table.add, ids)  # first: it may grow table.records
+            table.records[slots] = records["features"]
+            self._changed.difference_update(ids)  # memory now equals the records
+
     def evict(self, account_id: str, discard_changes: bool = False) -> None:
         """Forget an account (its record can restore it later).
 
@@ -195,3 +238,14 @@ class HeldAccounts:
         self._changed |= checkpoint.changed
         self.featurizer.rollback(checkpoint.featurizer)
         self.stats = checkpoint.stats
+
+
+def _rows(slot_of: dict[str, int], add, ids: list[str]) -> np.ndarray:
+    """[N] rows of distinct `ids`: those held keep theirs, the others get new ones from `add` in one block."""
+    found = list(map(slot_of.get, ids))
+    if None not in found:
+        return np.asarray(found, dtype=np.int64)
+    new = [i for i, row in enumerate(found) if row is None]
+    rows = np.asarray([-1 if row is None else row for row in found], dtype=np.int64)
+    rows[new] = add([ids[i] for i in new])
+    return rows

@@ -58,6 +58,7 @@ class ScoredBatch:
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds of main-thread work
     waited_s: float = 0.0  # for the previous batch's commit, before this one could be sent
     sent: list = field(default_factory=list)  # kafka-python's futures of `records`, once published
+    group: object = None  # the consumer's ConsumerGroupMetadata its offsets were committed under
 
 
 @dataclass
@@ -86,6 +87,7 @@ class TransactionPipeline:
         producer = self.producer
         producer.begin_transaction()
         self.open = True
+        batch.group = group_metadata
         batch.sent = [
             producer.send(topic, key=key, value=value, partition=partition)
             for topic, key, value, partition in batch.records

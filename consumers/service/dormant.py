@@ -12,6 +12,10 @@ record, so the place stays valid. That is ~190 bytes an account against 1.6-9.3 
 - When a batch holds an account that is not in memory but has a record, the record is read back
   (compacted.read_at, read_committed) before the batch is scored, so the account continues exactly
   where it left off. An account with no record is new and starts from init_state.
+- An aborted batch's accounts leave memory the same way (consumers/service/restore.py, _rewind): their
+  redelivered events bring their last committed records back, and no other account is read again. For
+  that, `ends` keeps where each changelog partition's known records end, so the records written after
+  them (an abort whose commit did land after all) are found by reading only that tail.
 """
 
 from collections import OrderedDict
@@ -27,6 +31,7 @@ class DormantStates:
         self.capacity = capacity
         self.where: dict[str, Place] = {}  # account -> its latest committed state record
         self.recency: OrderedDict[str, int] = OrderedDict()  # account -> seq of the last batch it was in
+        self.ends: dict[int, int] = {}  # changelog partition -> the offset after its last record known here
 
     def touched(self, accounts: Iterable[str], seq: int) -> None:
         for account in accounts:
@@ -34,8 +39,16 @@ class DormantStates:
             self.recency.move_to_end(account)
 
     def committed(self, places: Mapping[str, Place]) -> None:
-        """Note a committed batch's state records: account -> where it went."""
-        self.where.update(places)
+        """Note a committed batch's state records (or a changelog tail's): account -> where it went,
+        None for a deleted account."""
+        for account, place in places.items():
+            if place is None:
+                self.where.pop(account, None)
+                continue
+            self.where[account] = place
+            partition, offset = place
+            if offset >= self.ends.get(partition, 0):
+                self.ends[partition] = offset + 1
 
     def returning(self, accounts: Iterable[str], in_memory: Collection[str]) -> dict[str, Place]:
         """Those of `accounts` that are out of memory but have a record: read them back before scoring."""
@@ -58,7 +71,7 @@ class DormantStates:
 
     def restored(self, places: Mapping[str, Place], in_memory: Iterable[str], seq: int) -> None:
         """After a changelog restore: every account's place, and those now in memory as just touched."""
-        self.where.update(places)
+        self.committed(places)
         self.touched(in_memory, seq)
 
     def forget(self, accounts: Iterable[str]) -> None:
@@ -71,3 +84,5 @@ class DormantStates:
         if not partitions:
             return
         self.where = {a: place for a, place in self.where.items() if place[0] not in partitions}
+        for partition in partitions:
+            self.ends.pop(partition, None)

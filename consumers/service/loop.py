@@ -24,8 +24,9 @@ import uuid
 from dataclasses import asdict
 
 from kafka import KafkaConsumer
+from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 
-from consumers.runtime.compacted import Reader, read_at
+from consumers.runtime.compacted import RESTORE_FETCH, Reader, read_at
 from consumers.runtime.endpoints import StatusServer
 from consumers.runtime.metrics import Metrics
 from consumers.runtime.probes import Probes
@@ -101,7 +102,9 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.probes.wait_for("partitions", "waiting for the group to assign partitions")
         self.metrics.read_from("txsentinel_ready", lambda: self.probes.ready()[0])
         self.fatal: BaseException | None = None  # raised in a rebalance callback, re-raised by run()
-        self.assigned: set[int] = set()
+        self.assigned: set[int] = set()  # partitions of `transactions` held and restored
+        self.to_restore: set[int] = set()  # assigned, paused until _catch_up has restored them
+        self.to_seek: set[int] = set()  # rewound: sought to the committed offsets before the next poll
         self.partitions = 0  # of the transactions topic, known once start() has made sure of the topics
         self.topic = cfg.topic("transactions")
         self.changelog = cfg.topic("changelog")
@@ -135,7 +138,7 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.partitions = ensure_topics(cfg, bootstrap)
         security = cfg.kafka_security
         # Reads the changelog on assignment and the terminal table; no group, so it never joins or commits.
-        self.restorer = Reader.connect(bootstrap, "txsentinel-serve-restore", **security)
+        self.restorer = Reader.connect(bootstrap, "txsentinel-serve-restore", **RESTORE_FETCH, **security)
         self.bootstrap = bootstrap
         self._new_producer()
         counts = {}
@@ -163,6 +166,8 @@ class _Service(Restore, Transactions, Bookkeeping):
             max_poll_records=cfg.max_poll_records,
             max_poll_interval_ms=cfg.max_poll_interval_ms,
             session_timeout_ms=cfg.session_timeout_ms,
+            # KIP-429: a rebalance moves only what must move; kept partitions keep their states in memory
+            partition_assignment_strategy=(CooperativeStickyAssignor,),
             client_id="txsentinel-serve",
             **security,
         )
@@ -187,8 +192,12 @@ class _Service(Restore, Transactions, Bookkeeping):
 
     def _cycle(self) -> None:
         # While a commit runs, poll briefly: an idle stream still settles it (and its metrics) promptly.
+        self._catch_up()  # partitions assigned or rewound since the last poll (restore.py)
         timeout_ms = min(self.cfg.poll_timeout_ms, 10) if self.pipeline.busy() else self.cfg.poll_timeout_ms
+        rebalances = self.rebalance_callbacks
         batch = self.consumer.poll(timeout_ms=timeout_ms, max_records=self.limit.records)
+        if self.rebalance_callbacks != rebalances and batch:
+            batch = self._drop(batch)  # restores and rewinds first
         if batch:
             batch = self._top_up(batch)  # {} when a rebalance came in between: fetched again later
         if self.fatal is not None:
@@ -268,13 +277,19 @@ class _Service(Restore, Transactions, Bookkeeping):
         rebalances = self.rebalance_callbacks
         more = self.consumer.poll(timeout_ms=self.cfg.fresh_fetch_ms, max_records=room)
         if self.rebalance_callbacks != rebalances:
-            assigned = self.consumer.assignment()
-            for tp, records in batch.items():
-                if tp in assigned:
-                    self.consumer.seek(tp, records[0].offset)
-            log.info("batch dropped: a rebalance came in while topping it up; it is fetched again")
-            return {}
+            return self._drop(batch)
         return merged_batches([batch, more])
+
+    def _drop(self, batch: dict) -> dict:
+        """{}: a batch polled around a rebalance waits (nothing of it is applied yet). Kept partitions are
+        sought back to its first records, revoked ones are no longer ours; _catch_up then restores and
+        rewinds before any of it is read again."""
+        assigned = self.consumer.assignment()
+        for tp, records in batch.items():
+            if tp in assigned:
+                self.consumer.seek(tp, records[0].offset)
+        log.info("batch dropped: a rebalance came in while it was polled; it is fetched again")
+        return {}
 
     def close(self) -> None:
         parts = (

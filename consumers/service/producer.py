@@ -78,14 +78,23 @@ class Transactions:
         batch not committed is rewound: the one in flight (if its commit failed) and this one.
         """
         rewind = [batch] if batch else []
+        group = None  # the group generation the failed commit was made under
         try:
             self._settle()  # a scoring failure leaves the previous commit running: let it finish first
         except Exception as commit_error:
             error = commit_error
             failed = self.pipeline.take_failed()
             rewind.insert(0, failed.polled)
+            group = failed.group
         self._end_failed_transaction(error)
         rewound = merged_batches(rewind)
+        if isinstance(error, CommitFailedError) and _moved_on_with_us(group, self.consumer.group_metadata()):
+            # A cooperative rebalance completed while the commit was on its way: the offsets carried the
+            # generation before it. This member is still in the group, and its partitions are its own
+            # (a revoked one went through on_revoked): the batches are read again, nothing more.
+            log.info("batch aborted: the group generation moved on during its commit; it is redelivered")
+            self._rewind(rewound)
+            return
         if isinstance(error, CommitFailedError):
             # The group no longer knows this member or its generation (a broker restart, a session timeout,
             # a rebalance it missed), so the offsets could not join the transaction and nothing of the batch
@@ -121,6 +130,16 @@ class Transactions:
             log.warning("last batch aborted on the way out error=%r", error)
             self.pipeline.take_failed()
             self.pipeline.abort()
+
+
+def _moved_on_with_us(then, now) -> bool:
+    """The group has a newer generation than `then` (a ConsumerGroupMetadata), with this member in it."""
+    return (
+        then is not None
+        and bool(then.member_id)
+        and now.member_id == then.member_id
+        and now.generation_id > then.generation_id
+    )
 
 
 def merged_batches(batches: list[dict]) -> dict:

@@ -1,12 +1,26 @@
 """Partitions coming and going, and the states this instance holds for them, read back from Kafka.
 
-The changelog has as many partitions as `transactions`, and each account's record goes to the partition
-number of the input event it came from: on assignment of input partition p, this instance reads changelog
-partition p from its beginning up to its end (read_committed; consumers/runtime/compacted.py keeps to
-restore_timeout_s and logs its progress) and holds every account of p, up to max_states_in_memory (the rest
-stay dormant in the changelog, consumers/service/dormant.py). On revocation the accounts of those partitions
-are evicted. After an aborted batch, its accounts are reloaded from the changelog and the consumer is sought
-back to the committed offsets (rewind).
+The group's assignor is cooperative and sticky (kafka-python's CooperativeStickyAssignor, KIP-429): a
+rebalance moves only the partitions that must move, and an instance keeps the others, and their states
+in memory, without a pause. The listener below hears only what changed:
+
+- revoked (or lost) partitions: the batch in flight settles first, then their accounts leave memory;
+- assigned partitions: paused, and restored by the poll loop before anything else (_catch_up), not in
+  the listener, which runs on the consumer's network thread (kafka-python 3) where a long restore would
+  hold up the heartbeats and a blocking consumer call is refused. In this order:
+  1. the group's committed offsets of the new partitions are fetched (read_committed: the broker answers
+     only once no transaction holds offsets for them, KIP-447), so a frozen predecessor's last batch
+     is either in them or can no longer commit: its generation is fenced;
+  2. changelog partition p is read from its beginning up to its end (read_committed, consumers/runtime/
+     compacted.py keeps to restore_timeout_s and logs its progress), and every account of p is held, up
+     to max_states_in_memory (the rest stay dormant in the changelog, consumers/service/dormant.py),
+     applied in chunks as they stream in (consumers/service/state_restore.py);
+  3. the consumer is sought to the offsets of step 1 and the partitions resumed.
+
+After an aborted batch (_rewind), only its accounts leave memory: their last committed records come back
+with their redelivered events, as a dormant account's do; the changelog is read only past the records
+this instance knows of, in case the commit landed after all. The consumer is sought back to the
+committed offsets before the next poll.
 
 Terminal risk (consumers/terminals/table.py has the whole flow): on start, before joining the group, the
 instance reads the terminal table, then the labels and every instance's terminal deltas after the table's
@@ -21,10 +35,12 @@ import time
 from collections.abc import Iterable
 
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaTimeoutError
 from kafka.structs import TopicPartition
 
-from consumers.runtime.compacted import read_recent
+from consumers.runtime.compacted import read_places
 from consumers.service.commit_pipeline import Committed
+from consumers.service.state_restore import restore_partitions
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +81,13 @@ class Restore:
             self.dormant.forget(leaving)
             evicted += len(leaving)
         self.assigned -= set(partitions)
+        self.to_restore -= set(partitions)
+        self.to_seek -= set(partitions)
         self.dormant.drop_partitions(partitions)
-        self.probes.wait_for("partitions", "rebalancing: partitions revoked, waiting for the next assignment")
+        if partitions:
+            self.probes.wait_for(
+                "partitions", "rebalancing: partitions revoked, waiting for the next assignment"
+            )
         self.stats.rebalances += 1
         self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
         self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
@@ -83,20 +104,64 @@ class Restore:
             self._rewind(failed.polled, revoked=partitions)
 
     def on_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        """New partitions wait, paused, for _catch_up (the module docstring says why not here)."""
         self.rebalance_callbacks += 1
-        partitions = sorted(tp.partition for tp in assigned if tp.topic == self.topic)
+        tps = [tp for tp in assigned if tp.topic == self.topic]
+        partitions = sorted(tp.partition for tp in tps)
         log.info("partitions assigned partitions=%s", partitions)
-        self.probes.wait_for("partitions", f"restoring the states of partitions {partitions}")
-        try:
-            self._restore(partitions)
-        except BaseException as error:  # kafka-python logs and swallows callback errors: hand it to run()
-            self.fatal = error
-            self.probes.wait_for("partitions", f"restoring partitions {partitions} failed: {error!r}")
-            return
-        self.assigned |= set(partitions)
-        self.probes.done("partitions")  # no partition at all is ready too: a spare member, idle
-        self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
+        self.consumer.pause(*tps)
+        self.to_restore |= set(partitions)
+        if self.to_restore:
+            self.probes.wait_for(
+                "partitions", f"restoring the states of partitions {sorted(self.to_restore)}"
+            )
+        else:
+            self.probes.done("partitions")  # no partition at all is ready too: a spare member, idle
         self._run_writer(partitions, assigned=True)
+
+    def _catch_up(self) -> None:
+        """Before the next poll: restore what was assigned, seek back what was rewound (module docstring)."""
+        if self.to_restore:
+            partitions = sorted(self.to_restore)
+            tps = [TopicPartition(self.topic, p) for p in partitions]
+            try:
+                committed = self._committed(
+                    tps
+                )  # before the changelog is read: step 1 of the module docstring
+                self._restore(partitions)
+            except BaseException as error:
+                self.probes.wait_for("partitions", f"restoring partitions {partitions} failed: {error!r}")
+                raise
+            self._seek(committed)
+            self.consumer.resume(*tps)
+            self.to_restore.clear()
+            self.to_seek -= set(partitions)
+            self.assigned |= set(partitions)
+            self.probes.done("partitions")
+            self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
+        if self.to_seek:
+            self._seek(self._committed([TopicPartition(self.topic, p) for p in sorted(self.to_seek)]))
+            self.to_seek.clear()
+
+    def _committed(self, tps: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        """The group's committed offsets, once no open transaction holds any of them (None: none yet)."""
+        timeout_ms = int(self.cfg.restore_timeout_s * 1000)
+        try:
+            return {tp: self.consumer.committed(tp, timeout_ms=timeout_ms) for tp in tps}
+        except KafkaTimeoutError:
+            raise TimeoutError(
+                f"the committed offsets of {self.topic!r} partitions {[tp.partition for tp in tps]} were not "
+                f"stable within restore_timeout_s = {self.cfg.restore_timeout_s} s: a transaction of another "
+                "instance holds them (the broker aborts it after that instance's transaction_timeout_ms); "
+                "raise restore_timeout_s above transaction_timeout_ms, or check the broker"
+            ) from None
+
+    def _seek(self, committed: dict[TopicPartition, int | None]) -> None:
+        for tp, offset in committed.items():
+            if offset is None:
+                self.consumer.seek_to_beginning(tp)  # auto_offset_reset=earliest: nothing committed yet
+            else:
+                self.consumer.seek(tp, offset)
 
     def _restore(self, partitions: list[int]) -> None:
         """Read changelog partitions from the beginning up to their high watermarks (read_committed) into the
@@ -107,19 +172,20 @@ class Restore:
         # Memory takes the accounts written most recently, up to its capacity; the others stay dormant in
         # the changelog, their places noted, until they return (consumers/service/dormant.py).
         room = max(self.dormant.capacity - len(self.scorer.accounts_in_memory), 0)
-        latest, where, read = read_recent(
-            self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s, keep=room
+        # refuses another model's states, saying what to do
+        done = restore_partitions(
+            self.scorer, self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s, keep=room
         )
-        for account, value in latest.items():
-            self.scorer.restore_account(account, value)  # refuses another model's state, saying what to do
-        restored = len(latest)
+        restored, read, where = len(done.accounts), done.read, done.where
         self.dormant.drop_partitions(partitions)
-        self.dormant.restored(where, latest, self.batches.seq if self.batches else 0)
+        self.dormant.restored(where, done.accounts, self.batches.seq if self.batches else 0)
         seconds = time.monotonic() - started
         self.stats.restored_states += restored
         self.stats.restore_s += seconds
+        self.stats.changelog_records_read += read
         self.metrics.inc("txsentinel_restore_seconds_total", seconds)
         self.metrics.inc("txsentinel_restored_states_total", restored)
+        self.metrics.inc("txsentinel_changelog_records_read_total", read)
         self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         log.info(
             "restore done partitions=%s records=%d states=%d dormant=%d seconds=%.3f",
@@ -129,30 +195,32 @@ class Restore:
     def _rewind(self, batch: dict, revoked: Iterable[int] = ()) -> None:
         """Undo uncommitted batches in memory (their transaction is aborted already).
 
-        Their accounts may be half-applied, so they are reloaded from the changelog, terminal state is
-        restored again (the table, then the labels and deltas after it), and the consumer goes back to the
-        group's committed offsets. Partitions in `revoked`
-        are leaving this instance: their accounts are dropped, not reloaded.
+        Their accounts may be half-applied, so they leave memory; their redelivered events bring their
+        last committed records back (consumers/service/dormant.py). Terminal state is restored again (the
+        table, then the labels and deltas after it), and the consumer goes back to the group's committed
+        offsets before the next poll. Partitions in `revoked` are leaving this instance: nothing of them
+        is read or sought.
         """
-        partitions = sorted({tp.partition for tp in batch})
-        accounts = {a for p in partitions for a in self.scorer.accounts_in_partition(p)}
         # A key that is not UTF-8 (a hostile record) names no account of ours: nothing to reload for it.
-        accounts |= {r.key.decode("utf-8", "replace") for rs in batch.values() for r in rs if r.key}
-        for account in accounts & set(self.scorer.accounts_in_memory):
+        accounts = {r.key.decode("utf-8", "replace") for rs in batch.values() for r in rs if r.key}
+        held = accounts & set(self.scorer.accounts_in_memory)
+        for account in held:
             self.scorer.evict(account, discard_changes=True)
+        self.dormant.forget(held)
         self.scorer.take_changed()
         leaving = set(revoked)
-        kept = [p for p in partitions if p not in leaving]
-        self._restore(kept)
+        kept = sorted({tp.partition for tp in batch} - leaving)
+        if kept:  # records past those this instance knows of: an aborted commit that landed after all
+            ends = {p: self.dormant.ends.get(p, 0) for p in kept}
+            places, read = read_places(self.restorer, self.changelog, ends, self.cfg.restore_timeout_s)
+            self.dormant.committed(places)
+            self.stats.changelog_records_read += read
+            self.metrics.inc("txsentinel_changelog_records_read_total", read)
+        self.stats.states_rewound += len(held)
+        self.metrics.inc("txsentinel_states_rewound_total", len(held))
         self._restore_terminals()  # drops the batches' own terminal counts; labels and deltas are read again
-        for tp in batch:
-            if tp.partition not in kept:
-                continue
-            committed = self.consumer.committed(tp)
-            if committed is None:
-                self.consumer.seek_to_beginning(tp)  # auto_offset_reset=earliest: nothing committed yet
-            else:
-                self.consumer.seek(tp, committed)
+        self.to_seek |= set(kept) & self.assigned
+        log.info("rewound accounts=%d partitions=%s", len(held), kept)
 
     def _rejoin(self) -> None:
         """Drop this member's partitions and subscribe afresh: the next poll joins the group anew.
@@ -160,7 +228,7 @@ class Restore:
         Waiting does not do it: until a heartbeat learns that the member is unknown, every poll hands out
         records whose offsets cannot commit (kafka-python has no call that forces a rejoin).
         """
-        self.on_revoked([TopicPartition(self.topic, p) for p in sorted(self.assigned)])
+        self.on_revoked([TopicPartition(self.topic, p) for p in sorted(self.assigned | self.to_restore)])
         self.consumer.unsubscribe()
         self._subscribe()
 

@@ -27,6 +27,8 @@ class ServeStats:
     rebalances: int = 0
     restored_states: int = 0
     restore_s: float = 0.0
+    changelog_records_read: int = 0  # by restores of assigned partitions and by rewinds
+    states_rewound: int = 0  # accounts of aborted batches let go of (read back when their events return)
     # fraud and not-fraud labels read and applied (only fraud changes state); those after the table's
     # positions are read again by each restore, and count again
     labels_applied: int = 0

@@ -164,6 +164,17 @@ def _bench(args: argparse.Namespace) -> int:
         cfg = QualityConfig.quick(**values) if args.quick else QualityConfig(**values)
         table, _ = run_quality(cfg)
         print_table(table, cfg)
+    elif args.bench == "restore":
+        from pipeline.bench.broker import project_broker
+        from pipeline.bench.restore import RestoreBenchConfig, format_table, run_restore_bench
+
+        cfg = RestoreBenchConfig(
+            accounts=args.accounts,
+            scales=tuple(args.scales),
+            detectors=tuple(args.models) or RestoreBenchConfig.detectors,
+        )
+        with project_broker() as bootstrap:
+            print(format_table(run_restore_bench(cfg, bootstrap)))
     else:
         from pipeline.bench.models import run_model_bench
 
@@ -378,6 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a training setting")
     b.add_argument("--quick", action="store_true", help="a CI-sized run: small data and detectors, 1 seed")
     b.add_argument("--out", type=Path, default=Path("runs/bench-quality"), help="dataset, runs, quality.json")
+    b.set_defaults(run=_bench)
+    b = bench.add_parser("restore", help="restore time and memory of N account states from a real changelog")
+    b.add_argument("models", nargs="*", help="detectors to bench (default: all)")
+    b.add_argument("--accounts", type=int, default=1_000_000, help="account records in each changelog")
+    b.add_argument(
+        "--scales", type=int, nargs="+", default=[100_000, 300_000, 1_000_000], help="accounts restored"
+    )
     b.set_defaults(run=_bench)
     b = bench.add_parser("models", help="detector training/serving cost, state size, step time vs history")
     b.add_argument("models", nargs="*", help="detectors to bench (default: all)")

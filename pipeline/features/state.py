@@ -79,6 +79,24 @@ class StateTable:
                         found[i] = self._allocate(keys[i])
         return np.array(found, dtype=np.int64)
 
+    def add(self, keys: list[str]) -> np.ndarray:
+        """[N] slots with empty records for N distinct keys not in the table, in one block where the free
+        list runs out (a restore adds a million keys)."""
+        start = len(self.slot_of) + len(self._free)  # slots below it are handed out or free
+        reused = [self._free.pop() for _ in range(min(len(self._free), len(keys)))]
+        block = len(keys) - len(reused)
+        if start + block > len(self.records):
+            grown = np.repeat(
+                self._empty[None], max(len(self.records), start + block - len(self.records)), axis=0
+            )
+            self.records = np.concatenate([self.records, grown])
+        slots = np.concatenate(
+            [np.asarray(reused, dtype=np.int64), np.arange(start, start + block, dtype=np.int64)]
+        )
+        self.records[slots] = self._empty
+        self.slot_of.update(zip(keys, slots.tolist(), strict=True))
+        return slots
+
     def _allocate(self, key: str) -> int:
         if self._free:
             slot = self._free.pop()

@@ -34,6 +34,8 @@ class ScriptedConsumer:
 
     def __init__(self, service, polls):
         self.service, self.polls, self.sought, self.assigned = service, list(polls), {}, {P0, P1}
+        self.committed_offsets, self.paused = {}, set()
+        self.group = ConsumerGroupMetadata("group", generation_id=1, member_id="member-1")
 
     def poll(self, timeout_ms, max_records):
         records, revoke = self.polls.pop(0)
@@ -49,8 +51,20 @@ class ScriptedConsumer:
     def seek(self, tp, offset):
         self.sought[tp] = offset
 
+    def seek_to_beginning(self, tp):
+        self.sought[tp] = 0
+
+    def committed(self, tp, timeout_ms=None):
+        return self.committed_offsets.get(tp)
+
+    def pause(self, *tps):
+        self.paused |= set(tps)
+
+    def resume(self, *tps):
+        self.paused -= set(tps)
+
     def group_metadata(self):
-        return "group-metadata"
+        return self.group
 
     def highwater(self, tp):
         return None

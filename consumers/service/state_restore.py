@@ -1,0 +1,76 @@
+"""Changelog partitions read back into a Scorer as they stream in, in bounded memory.
+
+The changelog is compacted, so it may still hold several records of one account, the last one counting.
+Records are applied in chunks of about CHUNK_BYTES, in the order read: within a chunk the last value of each
+account wins, and a later chunk overwrites what an earlier one restored, so the scorer ends holding each
+account's last record. Memory holds at most `keep` of them, the most recently written: an account pushed
+out by newer ones is let go of again (it stays dormant, its place noted). So the values of one chunk are in
+memory at a time (with the copies its decoding makes, a few times CHUNK_BYTES), never the whole
+partition's: at 1M accounts of ~1.8 KB that is ~100 MB, not 1.8 GB, next to the states themselves.
+
+Per record, Python does only what the order needs (a few dict operations); decoding and copying the states
+is one batched call per chunk (Scorer.restore_accounts).
+"""
+
+import gc
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from consumers.runtime.compacted import Reader, read_chunks
+from consumers.scoring.scorer import Scorer
+
+CHUNK_BYTES = 32 * 1024 * 1024  # ~18,000 LSTM or ~3,500 linear Transformer states of the default size
+
+Place = tuple[int, int]  # (changelog partition, offset)
+
+
+@dataclass
+class Restored:
+    accounts: list[str]  # held in memory now, least recently written first
+    where: dict[str, Place] = field(default_factory=dict)  # every live account -> its last record
+    read: int = 0  # changelog records read
+
+
+def restore_partitions(
+    scorer: Scorer, reader: Reader, topic: str, partitions: list[int], timeout_s: float, keep: int
+) -> Restored:
+    """Read changelog `partitions` (read_committed, to their high watermarks) into `scorer`, holding at most
+    `keep` of their accounts. Raises what Scorer.restore_accounts raises for a record of another model,
+    and compacted's TimeoutError past `timeout_s`."""
+    # A restore makes millions of objects and no cycle: the collector's passes over them would cost more
+    # than the restore itself (gen-2 collections walk every object made so far).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _restore(scorer, reader, topic, partitions, timeout_s, keep)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _restore(
+    scorer: Scorer, reader: Reader, topic: str, partitions: list[int], timeout_s: float, keep: int
+) -> Restored:
+    recent: OrderedDict[str, None] = OrderedDict()  # accounts held, by the order of their last record
+    where: dict[str, Place] = {}
+    read = 0
+    for chunk in read_chunks(reader, topic, partitions, timeout_s, CHUNK_BYTES):
+        read += len(chunk)
+        latest: dict[str, bytes] = {}
+        for key, record in chunk:
+            recent.pop(key, None)
+            latest.pop(key, None)  # a dict keeps its first insertion order: re-inserted, it moves last
+            if record.value is None:
+                where.pop(key, None)
+                if key in scorer.store:
+                    scorer.evict(key, discard_changes=True)  # deleted: its earlier record is void
+                continue
+            where[key] = (record.partition, record.offset)
+            recent[key] = None
+            latest[key] = record.value
+        while len(recent) > keep:
+            oldest, _ = recent.popitem(last=False)
+            if latest.pop(oldest, None) is None and oldest in scorer.store:
+                scorer.evict(oldest, discard_changes=True)  # it stays dormant, its place noted
+        scorer.restore_accounts(list(latest), list(latest.values()))
+    return Restored(list(recent), where, read)

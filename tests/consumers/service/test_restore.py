@@ -1,0 +1,150 @@
+"""Restores that stay cheap (consumers/service/restore.py): states restored in batches equal those restored one
+at a time; new partitions wait, paused, for the committed offsets to be fetched before the changelog is read;
+an aborted batch lets go of its own accounts only; a commit that missed a cooperative rebalance is read again
+without leaving the group. The broker-backed versions are in tests/integration/test_service_restore.py."""
+
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+from kafka.errors import CommitFailedError
+from kafka.structs import ConsumerGroupMetadata
+
+import consumers.service.restore as restore_module
+from consumers.scoring.messages import transactions_from_frame
+from consumers.scoring.scorer import Scorer
+from consumers.service.dormant import DormantStates
+from models.registry import REGISTRY, build_detector
+from pipeline.data.generate import GenerateConfig, generate
+from pipeline.features import compute_features, fit_feature_spec
+from pipeline.registry.artifact import LoadedModel
+from tests.consumers.service.test_loop import P0, P1, make_service, records, scripted_loop
+
+TINY = {"num_features": 26, "d_model": 8, "num_layers": 1, "dropout": 0.0}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def frame():
+    return generate(GenerateConfig(accounts=40, days=20, seed=3)).sort("ts", "event_id")
+
+
+def loaded(name: str, frame, seed: int = 0) -> LoadedModel:
+    start = frame["ts"].min()
+    spec = fit_feature_spec(compute_features(frame), start, start + timedelta(days=10))
+    torch.manual_seed(seed)
+    overrides = {"window_events": 8} if name == "transformer" else {}
+    return LoadedModel(detector=build_detector(name, {**TINY, **overrides}), spec=spec)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_accounts_restored_in_chunks_equal_accounts_restored_one_at_a_time(name, frame, monkeypatch):
+    txs = transactions_from_frame(frame)
+    source = Scorer(loaded(name, frame))
+    source.score(txs, [(i % 3, i) for i in range(len(txs))])
+    accounts = sorted(source.accounts_in_memory)
+    values = source.account_states_bytes(accounts)
+    one_by_one = Scorer(loaded(name, frame))
+    for account, value in zip(accounts, values, strict=True):
+        one_by_one.restore_account(account, value)
+    monkeypatch.setattr("consumers.scoring.held_accounts.RESTORE_CHUNK", 7)  # chunks that cut the accounts
+    batched = Scorer(loaded(name, frame))
+    batched.restore_accounts(accounts[:9], values[:9])
+    for account in accounts[:4]:
+        batched.evict(account)  # their rows are free: the next restore takes them, then a new block
+    batched.restore_accounts(accounts, values)  # accounts 4-8 again: their own rows
+    assert batched.account_states_bytes(accounts) == values == one_by_one.account_states_bytes(accounts)
+    later = [t._replace(event_id=f"later-{i}") for i, t in enumerate(txs[-30:])]
+    scores = [s.score for s in batched.score(later, [(0, 10**6 + i) for i in range(30)])]
+    expected = [s.score for s in one_by_one.score(later, [(0, 10**6 + i) for i in range(30)])]
+    np.testing.assert_array_equal(scores, expected)
+
+
+def test_a_chunk_with_another_models_record_is_refused_naming_the_account(frame):
+    txs = transactions_from_frame(frame.head(300))
+    source, other = Scorer(loaded("lstm", frame)), Scorer(loaded("lstm", frame, seed=1))
+    source.score(txs)
+    other.score(txs)
+    accounts = sorted(source.accounts_in_memory)
+    values = source.account_states_bytes(accounts)
+    values[3] = other.account_state_bytes(accounts[3])
+    with pytest.raises(ValueError, match=f"record of {accounts[3]!r} was written by another 'lstm' model"):
+        Scorer(loaded("lstm", frame)).restore_accounts(accounts, values)
+
+
+def test_the_known_end_of_each_changelog_partition_follows_its_records():
+    dormant = DormantStates(capacity=10)
+    dormant.restored({"a": (0, 4), "b": (1, 9)}, [], seq=0)
+    dormant.committed({"a": (0, 12), "c": (2, 3), "b": None})  # b deleted in a tail read
+    assert dormant.ends == {0: 13, 1: 10, 2: 4} and dormant.where == {"a": (0, 12), "c": (2, 3)}
+    dormant.drop_partitions([0])
+    assert dormant.ends == {1: 10, 2: 4}
+
+
+def test_new_partitions_wait_paused_and_are_sought_to_offsets_fetched_before_the_changelog_read():
+    service, consumer = make_service([])
+    calls = []
+    consumer.committed_offsets = {P1: 40}
+    committed = consumer.committed
+    consumer.committed = lambda tp, timeout_ms=None: (
+        calls.append(f"committed {tp.partition}"),
+        committed(tp),
+    )[1]
+    service._restore = lambda partitions: calls.append(f"restore {partitions}")
+    service.on_assigned([P0, P1])
+    assert consumer.paused == {P0, P1} and calls == [] and service.assigned == set()
+    service._catch_up()
+    assert calls == ["committed 0", "committed 1", "restore [0, 1]"]
+    assert consumer.sought == {P0: 0, P1: 40} and consumer.paused == set() and service.assigned == {0, 1}
+    service._catch_up()
+    assert len(calls) == 3  # nothing more to do
+
+
+def test_a_rewind_lets_go_of_the_batchs_accounts_only_and_seeks_back_before_the_next_poll(frame, monkeypatch):
+    service, consumer = make_service([])
+    txs = transactions_from_frame(frame.head(400))
+    service.scorer.score(txs, [(0, i) for i in range(len(txs))])
+    service.scorer.take_changed()
+    service.assigned = {0}
+    held = set(service.scorer.accounts_in_memory)
+    in_batch = sorted(held)[:2]
+    tails = []
+
+    def read_places(reader, topic, starts, timeout_s):
+        tails.append(starts)
+        return {in_batch[0]: (0, 77)}, 1  # its record landed after all: the next read takes that one
+
+    monkeypatch.setattr(restore_module, "read_places", read_places)
+    service._restore_terminals = lambda: None
+    service.dormant.committed({in_batch[0]: (0, 5), in_batch[1]: (0, 6)})
+    batch = {P0: [Key(a.encode()) for a in in_batch]}
+    service._rewind(batch)
+    assert set(service.scorer.accounts_in_memory) == held - set(in_batch)
+    assert tails == [{0: 7}] and service.dormant.where[in_batch[0]] == (0, 77)
+    assert service.to_seek == {0} and consumer.sought == {}
+    consumer.committed_offsets = {P0: 3}
+    service._catch_up()
+    assert consumer.sought == {P0: 3} and service.stats.states_rewound == 2
+
+
+class Key:
+    def __init__(self, key: bytes):
+        self.key = key
+
+
+def test_a_commit_that_missed_a_cooperative_rebalance_is_read_again_without_rejoining():
+    service, log, _, stop = scripted_loop(
+        [({P0: records(0, 1)}, None), ({P0: records(0, 2)}, None), ({P0: records(0, 1, 2)}, None)],
+        commits=[CommitFailedError("IllegalGenerationError")],
+    )
+
+    def rebalance_then_fail():  # the group moves to generation 2 while the commit is on its way
+        service.consumer.group = ConsumerGroupMetadata("group", generation_id=2, member_id="member-1")
+        raise CommitFailedError("IllegalGenerationError")
+
+    service.producer.commits = [rebalance_then_fail]
+    service.run(stop)
+    assert "rejoined" not in log and log.count("rewound 0:1 0:2") == 1
+    assert log[-2:] == ["offsets 0:3", "committed"] and service.failures == 0
