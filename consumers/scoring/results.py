@@ -5,6 +5,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pipeline.features.reasons import Explanation
+
 
 @dataclass(frozen=True, slots=True)
 class ScoreRecord:
@@ -16,6 +18,7 @@ class ScoreRecord:
     alert: bool  # score >= the scorer's threshold
     out_of_order: bool  # ts older than the newest ts this account had already seen
     position: tuple[int, int] | None = None  # (partition, offset) in the source topic
+    reasons: Explanation | None = None  # an alert's, when the scorer explains alerts
 
 
 class Rejected(NamedTuple):
@@ -45,6 +48,7 @@ class ScorerStats:
     out_of_order: int = 0
     featurize_s: float = 0.0  # streaming featurizer
     detector_s: float = 0.0  # gather, step and scatter, all rounds
+    explain_s: float = 0.0  # the alerts' reasons: state snapshots and attribution
     total_s: float = 0.0  # the whole micro-batch: the rest is dedup, normalisation and bookkeeping
 
 
@@ -57,3 +61,4 @@ class ScoredArrays(NamedTuple):
     alert: np.ndarray  # bool
     out_of_order: np.ndarray  # bool
     rejected: list[Rejected]
+    reasons: dict[int, Explanation]  # of the alerts explained, by position among the applied events
