@@ -1,6 +1,6 @@
 """What a Scorer gives back: a record per scored event, the events it rejected and why, its running totals."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +18,6 @@ class ScoreRecord:
     alert: bool  # score >= the scorer's threshold
     out_of_order: bool  # ts older than the newest ts this account had already seen
     position: tuple[int, int] | None = None  # (partition, offset) in the source topic
-    reasons: Explanation | None = None  # an alert's, when the scorer explains alerts
 
 
 class Rejected(NamedTuple):
@@ -33,6 +32,9 @@ class Rejected(NamedTuple):
 class Scored:
     records: list[ScoreRecord]  # one per applied event, in input order
     rejected: list[Rejected]  # in input order
+    # The alerts' reasons, by index in `records`, when the scorer gives reasons. Beside the records, not in
+    # them: a reason's last bits follow how many alerts shared its attribution call, a score's never do.
+    reasons: dict[int, Explanation] = field(default_factory=dict)
 
 
 @dataclass

@@ -156,20 +156,17 @@ class Scorer(HeldAccounts):
                 alert=alert,
                 out_of_order=late,
                 position=None if positions is None else tuple(positions[i]),
-                reasons=out.reasons.get(m),
             )
-            for m, (i, logit, score, alert, late) in enumerate(
-                zip(
-                    out.applied.tolist(),
-                    out.logit.tolist(),
-                    out.score.tolist(),
-                    out.alert.tolist(),
-                    out.out_of_order.tolist(),
-                    strict=True,
-                )
+            for i, logit, score, alert, late in zip(
+                out.applied.tolist(),
+                out.logit.tolist(),
+                out.score.tolist(),
+                out.alert.tolist(),
+                out.out_of_order.tolist(),
+                strict=True,
             )
         ]
-        return Scored(records, out.rejected)
+        return Scored(records, out.rejected, out.reasons)
 
     def observe_labels(self, labels: LabelBatch) -> None:
         """Apply fraud labels that arrive between batches (label_ts <= every later event's ts)."""

@@ -158,11 +158,14 @@ class BatchScorer:
             out.replays_dropped += rejected.replay
         out.duplicates_dropped += scorer.stats.duplicates_dropped - dropped_before
         partition_of = {}
-        for s, value in zip(scored.records, encode_scores(scored.records, self.model_version), strict=True):
+        values = encode_scores(scored.records, self.model_version)
+        for i, (s, value) in enumerate(zip(scored.records, values, strict=True)):
             partition = s.position[0] if self.co_partitioned else None
             records.append((self.scores_topic, s.account_id, value, partition))
             if s.alert:  # the same record, with the reasons behind it
-                records.append((self.alerts_topic, s.account_id, encode_alert(value, s.reasons), partition))
+                records.append(
+                    (self.alerts_topic, s.account_id, encode_alert(value, scored.reasons.get(i)), partition)
+                )
                 out.alerts += 1
             partition_of[s.account_id] = s.position[0]
         out.scored += len(scored.records)

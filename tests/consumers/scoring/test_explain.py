@@ -54,50 +54,46 @@ def test_alerts_and_only_alerts_carry_reasons_from_the_state_before_their_event(
     model = make_model(name, spec)
     events = transactions_from_frame(frame.head(400))
     threshold = _threshold(model, events)
-    batched = []
+    batched, batched_reasons = [], {}
     scorer = Scorer(model, threshold)
     for start in range(0, len(events), 97):  # several events of one account per batch
-        batched += scorer.score(events[start : start + 97])
-    one_by_one = []
-    alone = Scorer(model, threshold)
-    for event in events:  # each event its own batch: the state before it is simply the stored one
-        one_by_one += alone.score([event])
+        scored = scorer.score_batch(events[start : start + 97])
+        batched_reasons.update((len(batched) + i, e) for i, e in scored.reasons.items())
+        batched += scored.records
+    alone, alone_reasons = Scorer(model, threshold), {}
+    for n, event in enumerate(events):  # each event its own batch: the state before it is the stored one
+        scored = alone.score_batch([event])
+        assert scored.records[0].logit == pytest.approx(batched[n].logit, abs=1e-5)
+        alone_reasons.update((n, e) for e in scored.reasons.values())
 
-    alerts = [r for r in batched if r.alert]
+    alerts = [n for n, r in enumerate(batched) if r.alert]
     assert 20 <= len(alerts) < len(batched)
-    assert all(r.reasons is None for r in batched if not r.alert)
+    assert sorted(batched_reasons) == alerts == sorted(alone_reasons)  # alerts and only alerts
     repeated = {r.account_id for r in batched[:97]}
     assert len(repeated) < 97  # accounts with several events in one batch are among them
-    for got, want in zip(batched, one_by_one, strict=True):
-        assert got.alert == want.alert
-        if not got.alert:
-            continue
-        assert got.reasons is not None and 0 < len(got.reasons.reasons) <= 3
-        assert [r.input for r in got.reasons.reasons] == [r.input for r in want.reasons.reasons]
-        np.testing.assert_allclose(
-            [r.logit for r in got.reasons.reasons], [r.logit for r in want.reasons.reasons], atol=1e-4
-        )
-        assert got.reasons.history.logit == pytest.approx(want.reasons.history.logit, abs=1e-4)
-        assert got.reasons.history.input == HISTORY
-        assert all(r.input in INPUTS and r.logit > 0 and r.text for r in got.reasons.reasons)
-        assert [r.logit for r in got.reasons.reasons] == sorted(
-            (r.logit for r in got.reasons.reasons), reverse=True
-        )
+    for n in alerts:
+        got, want = batched_reasons[n], alone_reasons[n]
+        assert 0 < len(got.reasons) <= 3
+        assert [r.input for r in got.reasons] == [r.input for r in want.reasons]
+        np.testing.assert_allclose([r.logit for r in got.reasons], [r.logit for r in want.reasons], atol=1e-4)
+        assert got.history.logit == pytest.approx(want.history.logit, abs=1e-4)
+        assert got.history.input == HISTORY
+        assert all(r.input in INPUTS and r.logit > 0 and r.text for r in got.reasons)
+        assert [r.logit for r in got.reasons] == sorted((r.logit for r in got.reasons), reverse=True)
 
 
 def test_no_reasons_when_turned_off_and_the_alert_record_is_the_score_record_plus_reasons(frame, spec):
     model = make_model(DETECTORS[0], spec)
     events = transactions_from_frame(frame.head(200))
     threshold = _threshold(model, events)
-    assert all(r.reasons is None for r in Scorer(model, threshold, reasons=0).score(events))
-    records = Scorer(model, threshold, reasons=2).score(events)
-    alert = next(r for r in records if r.alert)
-    (value,) = encode_scores([alert], "7")
-    message = json.loads(encode_alert(value, alert.reasons))
-    assert {k: v for k, v in message.items() if k not in ("reasons", "history", "base_logit")} == json.loads(
-        value
-    )
-    assert message["reasons"] == [r.as_dict() for r in alert.reasons.reasons] and len(message["reasons"]) <= 2
+    assert Scorer(model, threshold, reasons=0).score_batch(events).reasons == {}
+    scored = Scorer(model, threshold, reasons=2).score_batch(events)
+    i, explanation = next(iter(scored.reasons.items()))
+    (value,) = encode_scores([scored.records[i]], "7")
+    message = json.loads(encode_alert(value, explanation))
+    score_fields = {k: v for k, v in message.items() if k not in ("reasons", "history", "base_logit")}
+    assert score_fields == json.loads(value) and message["alert"] is True
+    assert message["reasons"] == [r.as_dict() for r in explanation.reasons] and len(message["reasons"]) <= 2
     assert message["history"]["input"] == HISTORY and isinstance(message["base_logit"], float)
     assert encode_alert(value, None) == value
 
