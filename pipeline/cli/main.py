@@ -185,6 +185,10 @@ def _bench(args: argparse.Namespace) -> int:
         cfg = QualityConfig.quick(**values) if args.quick else QualityConfig(**values)
         table, _ = run_quality(cfg)
         print_table(table, cfg)
+    elif args.bench == "reasons":
+        from pipeline.bench.reasons import run_reasons_bench
+
+        run_reasons_bench(args.data, args.model, args.alert_share, args.batch_events)
     else:
         from pipeline.bench.models import run_model_bench
 
@@ -365,6 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a training setting")
     b.add_argument("--quick", action="store_true", help="a CI-sized run: small data and detectors, 1 seed")
     b.add_argument("--out", type=Path, default=Path("runs/bench-quality"), help="dataset, runs, quality.json")
+    b.set_defaults(run=_bench)
+    b = bench.add_parser("reasons", help="alerts' top reasons per fraud scenario, and their cost")
+    b.add_argument("--data", type=Path, required=True, help="a generated dataset directory")
+    b.add_argument(
+        "--model", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a dir"
+    )
+    b.add_argument("--alert-share", type=float, default=0.01, help="share of events alerted in the cost run")
+    b.add_argument("--batch-events", type=int, default=500)
     b.set_defaults(run=_bench)
     b = bench.add_parser("models", help="detector training/serving cost, state size, step time vs history")
     b.add_argument("models", nargs="*", help="detectors to bench (default: all)")
