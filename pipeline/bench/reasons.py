@@ -37,13 +37,13 @@ if set(SCENARIO_SIGNALS) != set(FRAUD_SCENARIOS):
 
 @dataclass(frozen=True)
 class ReasonsBench:
-    shares: pl.DataFrame  # scenario, alerts, signal, top_is_signal, most_frequent_top, its share
+    shares: pl.DataFrame  # scenario, alerts, signal, top_is_signal, most_frequent_top, its_share, then
     cost: dict[str, float]  # events/s without and with reasons, alert share, ms per alert
 
 
 def top_reason_shares(scored: pl.DataFrame, scenarios: pl.DataFrame) -> pl.DataFrame:
     """Per fraud scenario: its alerted events, the share whose top reason is its signal, the most frequent
-    top reason and its share. `scored`: Scorer.replay(..., reasons=True); `scenarios`: event_id, scenario."""
+    top reason and its share, then the next two with theirs. `scored`: Scorer.replay(..., reasons=True); `scenarios`: event_id, scenario."""
     alerts = (
         scored.filter(pl.col("alert"))
         .join(scenarios, on="event_id")
@@ -62,6 +62,7 @@ def top_reason_shares(scored: pl.DataFrame, scenarios: pl.DataFrame) -> pl.DataF
                 "top_is_signal": mine["top"].is_in(list(signal)).mean() if n else None,
                 "most_frequent_top": counts["top"][0] if n else None,
                 "its_share": counts["len"][0] / n if n else None,
+                "then": ", ".join(f"{t} {k / n:.2f}" for t, k in counts.rows()[1:3]),
             }
         )
     return pl.DataFrame(rows)
