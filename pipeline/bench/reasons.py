@@ -99,7 +99,9 @@ def run_reasons_bench(
     print(
         f"reasons of {model_uri} on {data} ({frame.height:,} events), threshold {Scorer(model).threshold:.3f}"
     )
-    with pl.Config(tbl_rows=-1, float_precision=2, tbl_width_chars=160, tbl_hide_dataframe_shape=True):
+    with pl.Config(
+        tbl_rows=-1, float_precision=2, tbl_width_chars=200, fmt_str_lengths=60, tbl_hide_dataframe_shape=True
+    ):
         print(shares)
     print(
         f"cost at {cost['alert_share']:.2%} alerts, one core, batches of {batch_events}: "
