@@ -40,6 +40,7 @@ def test_backtest_then_comparison_notebooks_run_end_to_end(tmp_path, monkeypatch
     )
     text = outputs(backtest)
     assert "cp_at_100" in text and "image/png" in text
+    assert "reason 1" in text and "history" in text  # the alerted accounts' reasons
     assert (tmp_path / "backtest" / "backtest.json").exists()
 
     comparison = run_notebook(

@@ -106,6 +106,7 @@ PREPARED = {
 RUN_WITHOUT_BROKER = {
     "mlflow ui", "mlflow models", "scripts/gpu_check.sh", "txsentinel backtest", "txsentinel compare",
     "txsentinel bench features", "txsentinel bench models", "txsentinel bench replay",
+    "txsentinel bench reasons",
 }  # fmt: skip
 RUN_ON_THE_BROKER = {"scripts/kafka.sh", "txsentinel serve", "txsentinel bench stream"}
 RUN_HERE = PREPARED | RUN_WITHOUT_BROKER | RUN_ON_THE_BROKER
@@ -318,6 +319,7 @@ def test_doc_commands_run_as_written_without_a_broker(prepared):
         "txsentinel bench features": "events/s",
         "txsentinel bench models": "state B",
         "txsentinel bench replay": "events/s",
+        "txsentinel bench reasons": "top_is_signal",
     }
     for name, heading in tables.items():
         for words in work.each(name):

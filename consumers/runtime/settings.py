@@ -122,6 +122,8 @@ class ServeConfig:
     max_state_bytes_in_memory: int = 8 * 2**30
     restore_timeout_s: float = 300.0  # per assignment: reading the changelog partitions of new partitions
     threshold: float | None = None  # alert threshold on the probability; None: the model's own
+    # The top inputs behind each alert, in its record (consumers/scoring/explain.py); 0: none
+    alert_reasons: int = 3
     # What a valid transaction or label is: anything else goes to dead-letter with the reason. The same names
     # and defaults as consumers/scoring/messages.py's MessageLimits, which checks them at start (a test holds
     # the two together); docs/operations.md lists what is refused and why.
@@ -216,6 +218,10 @@ class ServeConfig:
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(
                 f"serve config: threshold = {self.threshold!r}, expected a probability in [0, 1]"
+            )
+        if type(self.alert_reasons) is not int or self.alert_reasons < 0:
+            raise ValueError(
+                f"serve config: alert_reasons = {self.alert_reasons!r}, expected an integer >= 0 (0: no reasons)"
             )
         if self.instance_id is not None and (
             not isinstance(self.instance_id, str) or not self.instance_id.strip()

@@ -1,9 +1,11 @@
 """What a Scorer gives back: a record per scored event, the events it rejected and why, its running totals."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+
+from pipeline.features.reasons import Explanation
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,9 @@ class Rejected(NamedTuple):
 class Scored:
     records: list[ScoreRecord]  # one per applied event, in input order
     rejected: list[Rejected]  # in input order
+    # The alerts' reasons, by index in `records`, when the scorer gives reasons. Beside the records, not in
+    # them: a reason's last bits follow how many alerts shared its attribution call, a score's never do.
+    reasons: dict[int, Explanation] = field(default_factory=dict)
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ScorerStats:
     out_of_order: int = 0
     featurize_s: float = 0.0  # streaming featurizer
     detector_s: float = 0.0  # gather, step and scatter, all rounds
+    explain_s: float = 0.0  # the alerts' reasons: state snapshots and attribution
     total_s: float = 0.0  # the whole micro-batch: the rest is dedup, normalisation and bookkeeping
 
 
@@ -57,3 +63,4 @@ class ScoredArrays(NamedTuple):
     alert: np.ndarray  # bool
     out_of_order: np.ndarray  # bool
     rejected: list[Rejected]
+    reasons: dict[int, Explanation]  # of the alerts explained, by position among the applied events

@@ -14,7 +14,9 @@ Per micro-batch (one Kafka poll, or one slice of a replayed history), in arrival
      states from the store, step, scatter back). A score that is not finite raises: it is a fault, which
      the caller's rollback and last resort deal with;
   6. bookkeeping: each account's last applied position, newest ts and recent event ids, the set of changed
-     accounts.
+     accounts;
+  7. reasons for the alerts (explain.py): each alerted event's logit attributed with its account's state
+     before the event held fixed, from a copy of the batch's states taken before step 5.
 Rejected events come back with the reason (score_batch), for the service's dead-letter topic.
 
 State lives in two places per account — the featurizer's account record and a row of the batched detector
@@ -37,23 +39,27 @@ import polars as pl
 import torch
 
 from consumers.scoring.account_state import RECENT_EVENT_IDS, event_id_hash, model_fingerprint
+from consumers.scoring.explain import AlertExplainer
 from consumers.scoring.held_accounts import HeldAccounts
 from consumers.scoring.messages import Transaction
 from consumers.scoring.results import Rejected, Scored, ScoredArrays, ScoreRecord, ScorerStats
 from consumers.scoring.state_store import StateStore, rounds_of
+from pipeline.features.reasons import Explanation
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, LabelBatch, replay_batches, take_events
 from pipeline.registry.artifact import DEFAULT_THRESHOLD, LoadedModel
+
+REASONS_DTYPE = pl.List(pl.Struct({"input": pl.String, "text": pl.String, "logit": pl.Float64}))
 
 
 class Scorer(HeldAccounts):
     """Scores micro-batches of transactions from per-account recurrent states, one event at a time each.
 
     The detector is put in eval mode. `threshold` (a probability) defaults to the model's meta["threshold"],
-    else 0.5.
+    else 0.5. `reasons`: how many reasons each alert's record carries (0: none, and no cost).
     """
 
-    def __init__(self, model: LoadedModel, threshold: float | None = None):
+    def __init__(self, model: LoadedModel, threshold: float | None = None, reasons: int = 3):
         detector, spec = model.detector, model.spec
         spec.check_compatible()
         c = detector.config
@@ -80,6 +86,7 @@ class Scorer(HeldAccounts):
         self.store = StateStore(detector)
         self.model_fingerprint = model_fingerprint(detector)
         self.stats = ScorerStats()
+        self.explainer = AlertExplainer(self.detector, reasons) if reasons else None
         self._x_dtype = weights
         self._changed: set[str] = set()
         self._warm_up()
@@ -158,7 +165,7 @@ class Scorer(HeldAccounts):
                 strict=True,
             )
         ]
-        return Scored(records, out.rejected)
+        return Scored(records, out.rejected, out.reasons)
 
     def observe_labels(self, labels: LabelBatch) -> None:
         """Apply fraud labels that arrive between batches (label_ts <= every later event's ts)."""
@@ -171,7 +178,9 @@ class Scorer(HeldAccounts):
         event_ids: Sequence[str] | None,
         pos: np.ndarray | None,
         labels: LabelBatch | None,
+        explain: bool = True,
     ) -> ScoredArrays:
+        # explain: reasons for the alerts, when the scorer gives reasons at all
         started = time.perf_counter()
         n = len(events.ts_us)
         rows = self.store.rows(events.account_ids)  # [N]; new accounts start from init_state
@@ -199,6 +208,7 @@ class Scorer(HeldAccounts):
         replays = len(rejected)
         logit = score = np.empty(0)
         late = np.empty(0, dtype=bool)
+        reasons = {}
         if len(applied):
             t = time.perf_counter()
             part = take_events(events, applied)
@@ -222,6 +232,10 @@ class Scorer(HeldAccounts):
                 x = np.concatenate(
                     [self.spec.normalize(features), buckets[:, None].astype(np.float32)], axis=1
                 )
+                explainer = self.explainer if explain else None
+                t = time.perf_counter()
+                snapshot = explainer.snapshot(self.store.states, rows[applied]) if explainer else None
+                self.stats.explain_s += time.perf_counter() - t
                 logit, late = self._step_events(rows[applied], torch.from_numpy(x), ts_us)  # x [M, F + 1]
                 if not np.isfinite(logit).all():
                     bad = int(applied[np.flatnonzero(~np.isfinite(logit))[0]])
@@ -230,6 +244,13 @@ class Scorer(HeldAccounts):
                         "not finite: its state is not either. A fault of the model, not of the input"
                     )
                 score = _sigmoid(logit)
+                if explainer is not None:
+                    t = time.perf_counter()
+                    alerts = np.flatnonzero(score >= self.threshold)
+                    reasons = explainer.explain(
+                        snapshot, rows[applied], torch.from_numpy(x), features, alerts
+                    )
+                    self.stats.explain_s += time.perf_counter() - t
                 if hashes is not None:
                     self.store.remember_ids(rows[applied], hashes[applied])
                 self._changed.update(events.account_ids[i] for i in applied.tolist())
@@ -239,7 +260,7 @@ class Scorer(HeldAccounts):
             for row, (partition, offset) in last_position.items():
                 self.store.partition[row], self.store.offset[row] = partition, offset
         rejected.sort()
-        out = ScoredArrays(applied, logit, score, score >= self.threshold, late, rejected)
+        out = ScoredArrays(applied, logit, score, score >= self.threshold, late, rejected, reasons)
         m = len(applied)
         self.stats.batches += 1
         self.stats.events_in += n
@@ -309,20 +330,28 @@ class Scorer(HeldAccounts):
         frame: pl.DataFrame,
         batch_events: int = 500,
         progress: Callable[[int, int], None] | None = None,
+        reasons: bool = False,
     ) -> pl.DataFrame:
         """Score a canonical dataset in (ts, event_id) order through the live scoring path.
 
         Fraud labels become known at their label_ts (replay_batches). `progress(done, total)` is called
         after each micro-batch. Returns event_id, account_id, ts, score, logit, alert (and is_fraud when
-        the frame has it), in (ts, event_id) order.
+        the frame has it), in (ts, event_id) order; with `reasons`, also each alert's reasons (a list of
+        {input, text, logit}, largest first) and history_logit, null for the other events.
         """
+        if reasons and self.explainer is None:
+            raise ValueError(
+                "replay(reasons=True) needs a Scorer that gives reasons: Scorer(model, reasons=3)"
+            )
         ordered = frame.sort("ts", "event_id")
         event_ids = ordered["event_id"].to_list()
         logits = []
+        explained: dict[int, Explanation] = {}
         done = 0
         # replay_batches cuts `ordered` into consecutive slices of batch_events rows, in this same order.
         for events, labels in replay_batches(ordered, batch_events):
-            out = self._score_batch(events, event_ids[done : done + len(events.ts_us)], None, labels)
+            ids = event_ids[done : done + len(events.ts_us)]
+            out = self._score_batch(events, ids, None, labels, explain=reasons)
             if out.rejected:
                 first = out.rejected[0]
                 raise ValueError(
@@ -331,6 +360,7 @@ class Scorer(HeldAccounts):
                     "Fix the dataset (txsentinel ingest checks it) and replay again"
                 )
             logits.append(out.logit)
+            explained.update((done + m, e) for m, e in out.reasons.items())
             done += len(out.logit)
             if progress is not None:
                 progress(done, ordered.height)
@@ -342,7 +372,20 @@ class Scorer(HeldAccounts):
             pl.Series("logit", logit),
             pl.Series("alert", score >= self.threshold),
             *([ordered["is_fraud"]] if "is_fraud" in ordered.columns else []),
+            *(_reason_columns(explained, ordered.height) if reasons else []),
         )
+
+
+def _reason_columns(explained: dict[int, Explanation], n: int) -> list[pl.Series]:
+    reasons: list[list[dict] | None] = [None] * n
+    history: list[float | None] = [None] * n
+    for i, e in explained.items():
+        reasons[i] = [r.as_dict() for r in e.reasons]
+        history[i] = e.history.logit
+    return [
+        pl.Series("reasons", reasons, dtype=REASONS_DTYPE),
+        pl.Series("history_logit", history, dtype=pl.Float64),
+    ]
 
 
 def _sigmoid(logit: np.ndarray) -> np.ndarray:

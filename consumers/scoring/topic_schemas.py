@@ -120,8 +120,10 @@ def scores_schema(limits: MessageLimits, alerts: bool = False) -> dict:
         },
         "model_version": {"type": "string", "description": "the version of the model that scored it"},
     }
+    required = list(score)
     if alerts:
         score["alert"] = {"const": True, "description": "alerts are the scores at or above the threshold"}
+        score.update(_reasons())
     what = "alerts: the scores at or above the alert threshold, as on scores" if alerts else "scores"
     return {
         "$schema": DIALECT,
@@ -130,8 +132,37 @@ def scores_schema(limits: MessageLimits, alerts: bool = False) -> dict:
         "transaction with the input offsets: read with isolation.level=read_committed. Key: the account_id.",
         "type": "object",
         "properties": score,
-        "required": list(score),
+        "required": required,
         "additionalProperties": False,
+    }
+
+
+def _reasons() -> dict:
+    """An alert's explanation (pipeline/features/reasons.py), present unless alert_reasons = 0."""
+    term = {
+        "type": "object",
+        "properties": {
+            "input": {
+                "type": "string",
+                "description": "the input: amount, gap, new_terminal, ... or history",
+            },
+            "text": {"type": "string", "description": "the reason in words an analyst reads"},
+            "logit": {"type": "number", "description": "what it adds to the event's logit"},
+        },
+        "required": ["input", "text", "logit"],
+        "additionalProperties": False,
+    }
+    return {
+        "reasons": {
+            "type": "array",
+            "items": term,
+            "description": "the inputs that raised the score most, largest first (at most alert_reasons)",
+        },
+        "history": term | {"description": "what the account's history (its recurrent state) adds"},
+        "base_logit": {
+            "type": "number",
+            "description": "the logit of an average event of an account with no history, which the terms add to",
+        },
     }
 
 

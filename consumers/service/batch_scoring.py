@@ -12,9 +12,10 @@ has returned). In order:
    read back from the changelog (consumers/service/dormant.py);
 3. Scorer.score_batch, in partition order (one partition's records keep their order); the events it rejects
    (replays, rows that are not finite) are dead letters too;
-4. records: scores (and alerts) to the input event's partition number, the batch's terminal delta (keyed by
-   this instance's session, consumers/terminals/deltas.py), then the changed accounts' states to the
-   changelog partition of the event that changed them.
+4. records: scores (and alerts, with their reasons: consumers/scoring/explain.py) to the input event's
+   partition number, the batch's terminal delta (keyed by this instance's session,
+   consumers/terminals/deltas.py), then the changed accounts' states to the changelog partition of the event
+   that changed them.
 
 The last resort: a batch that fails for a reason nobody foresaw is rewound by the service and read again
 `careful`ly: each event scored on its own under a checkpoint of its account and terminal
@@ -31,6 +32,7 @@ from typing import NamedTuple
 from kafka.structs import OffsetAndMetadata
 
 from consumers.runtime.settings import ServeConfig
+from consumers.scoring.explain import encode_alert
 from consumers.scoring.message_limits import MessageError, MessageLimits
 from consumers.scoring.messages import Transaction, UnknownFields, decode_transaction
 from consumers.scoring.outputs import dead_letter_value, encode_scores
@@ -163,15 +165,14 @@ class BatchScorer:
             out.replays_dropped += rejected.replay
         out.duplicates_dropped += scorer.stats.duplicates_dropped - dropped_before
         partition_of = {}
-        for s, value in zip(
-            scored.records,
-            encode_scores(scored.records, self.model_version, self.limits.timestamp_format),
-            strict=True,
-        ):
+        values = encode_scores(scored.records, self.model_version, self.limits.timestamp_format)
+        for i, (s, value) in enumerate(zip(scored.records, values, strict=True)):
             partition = s.position[0] if self.co_partitioned else None
             records.append((self.scores_topic, s.account_id, value, partition))
-            if s.alert:
-                records.append((self.alerts_topic, s.account_id, value, partition))
+            if s.alert:  # the same record, with the reasons behind it
+                records.append(
+                    (self.alerts_topic, s.account_id, encode_alert(value, scored.reasons.get(i)), partition)
+                )
                 out.alerts += 1
             partition_of[s.account_id] = s.position[0]
         out.scored += len(scored.records)

@@ -89,7 +89,7 @@ def serve(
 class _Service(Restore, Transactions, Bookkeeping):
     def __init__(self, cfg: ServeConfig, model: LoadedModel):
         self.cfg = cfg
-        self.scorer = Scorer(model, cfg.threshold)
+        self.scorer = Scorer(model, cfg.threshold, cfg.alert_reasons)
         self.model_version = str(model.meta.get("model_version", model.source or model.name))
         self.stats = ServeStats()
         self.limit = BatchLimit(cfg.max_poll_records, cfg.max_poll_interval_ms)

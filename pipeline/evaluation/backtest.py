@@ -10,6 +10,10 @@ ACCOUNTS per day — an investigator reviews a card, not an event — so the cur
 CP@N with the same exclusions (accounts with a known fraud, accounts already caught): the curve extends
 CP@k to every k.
 
+Each alert carries its reasons (consumers/scoring/explain.py), as the service's alert records do: the
+scored frame holds them, `alert_reasons` lays them out one alert a row, and the report writes the latest
+test period's to alert_reasons.csv.
+
 Prequential folds: fold f tests the period shifted back by f test lengths. Scores are causal, so the one
 replay up to the latest test end serves all folds. Earlier folds may overlap the period the model was
 trained on; that is reported as a warning, not refused (a backtest of a deployed model is still useful).
@@ -39,6 +43,7 @@ from pipeline.evaluation.protocol import (
     scenario_metrics,
 )
 from pipeline.evaluation.report_plots import bar_plot, line_plot
+from pipeline.evaluation.timelines import alert_reasons
 from pipeline.registry.tracking import configure_tracking, load_model
 
 log = logging.getLogger(__name__)
@@ -58,12 +63,17 @@ class BacktestConfig:
     batch_events: int = 500
     log_to_mlflow: bool = True
     progress_bar: bool = True
+    reasons: int = 3  # top reasons per alert; 0: none
 
     def __post_init__(self):
         for name in ("folds", "k", "batch_events"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"backtest config: {name} = {value!r}, expected an integer >= 1")
+        if type(self.reasons) is not int or self.reasons < 0:
+            raise ValueError(
+                f"backtest config: reasons = {self.reasons!r}, expected an integer >= 0 (0: none)"
+            )
 
 
 @dataclass(frozen=True)
@@ -93,7 +103,9 @@ class FoldResult:
 class BacktestResult:
     model_uri: str
     threshold: float
-    scored: pl.DataFrame  # every replayed event: event_id, account_id, ts, score, logit, alert, is_fraud
+    # every replayed event: event_id, account_id, ts, score, logit, alert, is_fraud (and reasons,
+    # history_logit: Scorer.replay's, for the alerts)
+    scored: pl.DataFrame
     folds: list[FoldResult]  # most recent first
     summary: dict[str, tuple[float, float]]  # metric -> (mean, std over folds; std 0 with one fold)
     run_id: str | None = None
@@ -163,15 +175,17 @@ def alerts_per_day(scored: pl.DataFrame, test: Period) -> pl.DataFrame:
     )
 
 
-def _replay(scorer: Scorer, frame: pl.DataFrame, batch_events: int, progress_bar: bool) -> pl.DataFrame:
+def _replay(
+    scorer: Scorer, frame: pl.DataFrame, batch_events: int, progress_bar: bool, reasons: bool
+) -> pl.DataFrame:
     if not progress_bar:
-        return scorer.replay(frame, batch_events)
+        return scorer.replay(frame, batch_events, reasons=reasons)
     with tqdm(total=frame.height, unit="ev", desc="replay", mininterval=1.0) as bar:
 
         def progress(done: int, total: int) -> None:
             bar.update(done - bar.n)
 
-        return scorer.replay(frame, batch_events, progress)
+        return scorer.replay(frame, batch_events, progress, reasons=reasons)
 
 
 def _warn_on_training_overlap(meta: dict[str, Any], periods: list[Period]) -> None:
@@ -202,8 +216,9 @@ def backtest(cfg: BacktestConfig) -> BacktestResult:
     periods = prequential_test_periods(last, cfg.folds, span)
     _warn_on_training_overlap(model.meta, periods)
 
-    scorer = Scorer(model)
-    scored = _replay(scorer, frame.filter(pl.col("ts") < last.end), cfg.batch_events, cfg.progress_bar)
+    scorer = Scorer(model, reasons=cfg.reasons)
+    history = frame.filter(pl.col("ts") < last.end)
+    scored = _replay(scorer, history, cfg.batch_events, cfg.progress_bar, cfg.reasons > 0)
     folds = []
     for test in periods:
         in_test = scored.filter(test.contains())
@@ -247,11 +262,16 @@ def _summarize(folds: list[FoldResult]) -> dict[str, tuple[float, float]]:
 
 
 def write_report(result: BacktestResult, out: Path) -> list[Path]:
-    """backtest.json, the metric table as CSV, and plots: CP@k per day, alerts per day, budget curve."""
+    """backtest.json, the metric table as CSV, the latest test period's alerts with their reasons (when the
+    backtest gave reasons) and plots: CP@k per day, alerts per day, budget curve."""
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "backtest.json", out / "backtest_table.csv"]
     files[0].write_text(json.dumps(result.as_json(), indent=2, default=str) + "\n")
     result.table().write_csv(files[1])
+    if "reasons" in result.scored.columns:
+        files.append(out / "alert_reasons.csv")
+        latest = result.folds[0].test
+        alert_reasons(result.scored, latest.start, latest.end).write_csv(files[-1])
     k = result.folds[0].metrics.k
     # Folds in time order on one axis: the most recent fold ends at the right.
     ordered = list(reversed(result.folds))
@@ -337,6 +357,7 @@ __all__ = [
     "BacktestConfig",
     "BacktestResult",
     "FoldResult",
+    "alert_reasons",
     "alerts_per_day",
     "backtest",
     "budget_curve",

@@ -1,4 +1,5 @@
-"""An account's story as a figure: its events' amounts and the score trajectory the scorer gave them.
+"""An account's story as a figure: its events' amounts and the score trajectory the scorer gave them, and
+its alerts' reasons as a table.
 
 Used by the backtest notebook to look at alerted accounts one by one.
 """
@@ -47,3 +48,38 @@ def account_timeline(scored: pl.DataFrame, frame: pl.DataFrame, account_id: str,
     score_ax.legend(loc="upper left", fontsize=8)
     fig.autofmt_xdate()
     return fig
+
+
+def alert_reasons(
+    scored: pl.DataFrame, start: datetime, end: datetime, accounts: list[str] | None = None
+) -> pl.DataFrame:
+    """One row per alerted event in [start, end) (of `accounts`, when given), in time order: ts, account_id,
+    event_id, score, is_fraud, its reasons worded with what each adds to the logit ("reason 1" ...), and the
+    account history's term. `scored`: BacktestResult.scored of a backtest with reasons."""
+    if "reasons" not in scored.columns:
+        raise ValueError("these scores carry no reasons: run the backtest with reasons > 0")
+    alerts = scored.filter(pl.col("alert") & (pl.col("ts") >= start) & (pl.col("ts") < end))
+    if accounts is not None:
+        alerts = alerts.filter(pl.col("account_id").is_in(accounts))
+    top = max((len(r) for r in alerts["reasons"].to_list() if r), default=0)
+    worded = pl.col("reasons").list.eval(
+        pl.element().struct.field("text")
+        + pl.format(" ({})", pl.element().struct.field("logit").round(2).map_elements(_signed, pl.String))
+    )
+    return (
+        alerts.sort("ts", "event_id")
+        .with_columns(worded.alias("_worded"))
+        .select(
+            "ts",
+            "account_id",
+            "event_id",
+            "score",
+            *(["is_fraud"] if "is_fraud" in alerts.columns else []),
+            *(pl.col("_worded").list.get(i, null_on_oob=True).alias(f"reason {i + 1}") for i in range(top)),
+            pl.col("history_logit").map_elements(_signed, pl.String).alias("history"),
+        )
+    )
+
+
+def _signed(logit: float) -> str:
+    return f"{logit:+.2f}"

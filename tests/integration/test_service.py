@@ -78,11 +78,28 @@ def test_every_event_gets_one_score_equal_to_the_scorers(kafka_bootstrap, servic
     stats = running.stop()
 
     by_event = assert_exactly_once(scores, events)
-    assert_same_scores(by_event, Scorer(load_model(model_dir)).score(events))
+    reference = Scorer(load_model(model_dir)).score_batch(events)
+    assert_same_scores(by_event, reference.records)
     assert {s["model_version"] for s in scores} == {"test-1"}
     assert stats.events_scored == len(events) and stats.dead_lettered == 0
-    alerts = [json.loads(r.value)["event_id"] for r in read_committed(kafka_bootstrap, cfg.topic("alerts"))]
+    alert_messages = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("alerts"))]
+    alerts = [a["event_id"] for a in alert_messages]
     assert sorted(alerts) == sorted(e for e, s in by_event.items() if s["alert"])
+    # Each alert record is its score record plus its reasons: the top inputs and the history term, as the
+    # scorer alone gives them (to float rounding: the service's batches are not the reference's).
+    assert alert_messages and len(reference.reasons) == len(alert_messages)
+    explained = {reference.records[i].event_id: e for i, e in reference.reasons.items()}
+    for alert in alert_messages:
+        want = explained[alert["event_id"]]
+        assert {k: v for k, v in alert.items() if k not in ("reasons", "history", "base_logit")} == by_event[
+            alert["event_id"]
+        ]
+        assert [r["input"] for r in alert["reasons"]] == [r.input for r in want.reasons]
+        assert [r["text"] for r in alert["reasons"]] == [r.text for r in want.reasons]
+        assert [r["logit"] for r in alert["reasons"]] == pytest.approx(
+            [r.logit for r in want.reasons], abs=1e-3
+        )
+        assert alert["history"]["logit"] == pytest.approx(want.history.logit, abs=1e-3)
     # One state record per account per batch it appeared in; the latest per account is what restores it.
     changelog = read_committed(kafka_bootstrap, cfg.topic("changelog"))
     assert {r.key.decode() for r in changelog} == {t.account_id for t in events}

@@ -17,7 +17,7 @@ from pipeline.cli.commands import run_generate
 from pipeline.data.dataset import read_dataset
 from pipeline.data.generate import GenerateConfig
 from pipeline.data.splits import Period, dataset_days, prequential_test_periods
-from pipeline.evaluation.backtest import BacktestConfig, backtest
+from pipeline.evaluation.backtest import BacktestConfig, alert_reasons, backtest
 from pipeline.evaluation.protocol import detection_metrics
 from pipeline.features import compute_features, fit_feature_spec
 from pipeline.registry.artifact import save_model_dir
@@ -113,6 +113,18 @@ def test_replay_equals_parallel_forward_and_metrics_follow_the_protocol(workspac
     )
     assert fold.alerts_per_day.height == TEST_DAYS
     assert fold.alerts_per_day["alert_events"].sum() == int((in_test["score"] >= 0.5).sum())
+    # Every alert, and only an alert, carries its reasons; the report lays out the test period's.
+    alerted = result.scored.filter(pl.col("alert"))
+    assert alerted.height > 0 and alerted["reasons"].null_count() == 0
+    assert result.scored["reasons"].null_count() == result.scored.height - alerted.height
+    reasons = alert_reasons(result.scored, test.start, test.end)
+    assert reasons.height == fold.alerts_per_day["alert_events"].sum()
+    assert (
+        reasons.filter(pl.col("reason 1").is_not_null())["reason 1"]
+        .str.contains(r" \([+-]\d+\.\d\d\)$")
+        .all()
+    )
+    assert pl.read_csv(tracking / "report" / "alert_reasons.csv").height == reasons.height
 
     report = json.loads((tracking / "report" / "backtest.json").read_text())
     assert report["folds"][0]["test_period"] == str(test)
