@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="lstm | transformer | linear_transformer | logreg | random_forest | hist_gbdt | isolation_forest "
+        help="lstm | transformer | linear_transformer | hybrid | logreg | random_forest | hist_gbdt | isolation_forest "
         "(default linear_transformer)",
     )
     p.add_argument(
