@@ -18,6 +18,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml uv.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet uv
+	@$(BIN)/uv lock --check --quiet || { echo "uv.lock does not match pyproject.toml: run $(BIN)/uv lock and commit uv.lock"; exit 1; }
 	$(BIN)/uv sync --frozen --extra dev --quiet --compile-bytecode
 	@touch $(STAMP)
 
