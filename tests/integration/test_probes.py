@@ -20,7 +20,8 @@ from consumers.runtime.metrics import free_port, scrape
 from consumers.scoring.messages import encode_transaction, transactions_from_frame
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features.definitions import FEATURE_VERSION
-from pipeline.registry.tracking import configure_tracking, log_and_register, promote
+from pipeline.registry.pyfunc_model import log_and_register
+from pipeline.registry.tracking import configure_tracking, promote
 from tests.integration.service_helpers import create_topic, prefixed_configs, produce, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
