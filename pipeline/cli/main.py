@@ -218,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a dir (or TXS_MODEL_URI)",
     )
+    p.add_argument(
+        "--shadow",
+        default=None,
+        help="a challenger scored in shadow on the same events, to shadow-scores, never alerting "
+        "(or TXS_SHADOW_MODEL_URI)",
+    )
     add_serve_settings(p)
     p.set_defaults(run=run_serve)
     add_logging_flags(p, always=True)

@@ -38,6 +38,7 @@ def serve_config(args: argparse.Namespace):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     named = {"bootstrap_servers": args.bootstrap_servers, "group_id": args.group_id}
     named["model_uri"] = getattr(args, "model", None)
+    named["shadow_model_uri"] = getattr(args, "shadow", None)
     flags = {name: value for name, value in named.items() if value is not None}
     flags.update(parse_settings(args.set))  # last: --set wins over the named flags
     return read_serve_config(args.config, flags)
@@ -64,8 +65,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     with model_errors(cfg.model_uri):
         model = load_model(cfg.model_uri)
+    shadow = None
+    if cfg.shadow_model_uri is not None:
+        with model_errors(cfg.shadow_model_uri):
+            shadow = load_model(cfg.shadow_model_uri)
     with kafka_errors(cfg):
-        stats = serve(cfg, model, cfg.bootstrap_servers)
+        stats = serve(cfg, model, cfg.bootstrap_servers, shadow=shadow)
     print(f"serve stopped: {stats}")
     return 0
 
