@@ -48,7 +48,7 @@ def test_the_rollout_settings_are_serve_settings():
 
 
 def test_the_json_log_line_is_what_the_formatter_writes():
-    shown = json.loads(block("json", '{"timestamp"').strip())
+    shown = json.loads(block("json", "{\"timestamp\"").strip())
     record = logging.LogRecord(
         "consumers.service.restore", logging.INFO, "restore.py", 1,
         "restore done partitions=%s records=%d states=%d dormant=%d seconds=%.3f", ([0, 1], 12, 9, 0, 0.042), None,
