@@ -85,3 +85,32 @@ def run_terminal_writer(args: argparse.Namespace) -> int:
         stats = run_writer(cfg, cfg.bootstrap_servers)
     print(f"terminal writer stopped: {stats}")
     return 0
+
+
+def add_live_compare_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="the served model and its shadow challenger on live traffic (scores, shadow-scores, labels)",
+    )
+    p.add_argument("--since", default="7d", help="with --live: how far back, e.g. 7d or 12h (default 7d)")
+    p.add_argument("--k", type=int, default=100, help="with --live: CP@k's k (default 100)")
+    p.add_argument("--no-mlflow", action="store_true", help="with --live: do not log the table to MLflow")
+    add_serve_settings(p)
+
+
+def run_live_compare(args: argparse.Namespace) -> int:
+    cfg, _ = serve_config(args)
+    from pipeline.evaluation.live_compare import LiveCompareConfig, format_table, live_compare
+
+    since = args.since.strip()
+    units = {"d": 1.0, "h": 1 / 24}
+    try:
+        days = float(since[:-1]) * units[since[-1:]]
+    except (KeyError, ValueError):
+        raise ValueError(f"--since {since!r}: expected a number of days or hours, e.g. 7d or 12h") from None
+    config = LiveCompareConfig(since_days=days, k=args.k, log_to_mlflow=not args.no_mlflow)
+    with kafka_errors(cfg):
+        table = live_compare(cfg, cfg.bootstrap_servers, config)
+    print(format_table(table))
+    return 0

@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from consumers.scoring.messages import transactions_from_frame
+from consumers.scoring.messages import Label, encode_label, transactions_from_frame
 from consumers.scoring.scorer import Scorer
 from consumers.service.shadow import shadow_changelog
+from pipeline.evaluation.live_compare import LiveCompareConfig, live_compare
 from pipeline.registry.tracking import load_model
 from tests.integration.service_helpers import (
     Running,
@@ -82,3 +83,27 @@ def test_promoted_shadow_scores_as_the_challenger_alone(kafka_bootstrap, frame, 
         scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
         after = [s for s in scores if s["model_version"] == "challenger-2"]
         assert_same_scores(assert_exactly_once(after, events[first:]), alone[first:])
+
+        # The live comparison joins both score topics with the labels that have arrived.
+        fraud = {t.event_id: i % 10 == 0 for i, t in enumerate(events)}  # any labels do: the join is checked
+        labels = [
+            (
+                t.account_id,
+                encode_label(
+                    Label(t.event_id, t.account_id, t.terminal_id, bool(fraud[t.event_id]), t.ts_us)
+                ),
+            )
+            for t in events
+        ]
+        produce(kafka_bootstrap, cfg.topic("labels"), labels)
+        table = live_compare(cfg, kafka_bootstrap, LiveCompareConfig(since_days=1, k=5, log_to_mlflow=False))
+        served, shadow = table.rows(named=True)
+        assert (served["role"], served["events"], shadow["role"], shadow["events"]) == (
+            "served",
+            n,
+            "shadow",
+            first,
+        )
+        assert shadow["model_version"] == "challenger-2"
+        assert shadow["frauds"] == sum(fraud[t.event_id] for t in events[:first]) > 0
+        assert 0 <= shadow["ap"] <= 1 and 0 <= shadow["cp_at_5"] <= 1
