@@ -48,6 +48,8 @@ class ServeConfig:
     alerts_topic: str = "alerts"
     dead_letter_topic: str = "dead-letter"
     changelog_topic: str = "account-state-changelog"  # compacted; partition count = transactions'
+    # the shadow challenger's scores (serve --shadow); its changelog is <changelog_topic>.<its fingerprint>
+    shadow_scores_topic: str = "shadow-scores"
     # compacted, one partition: every terminal's record and the positions they reflect (consumers/terminals/table.py)
     terminal_table_topic: str = "terminal-risk-table"
     # each scored batch's terminal event counts, read by every instance (consumers/terminals/deltas.py);
@@ -158,6 +160,9 @@ class ServeConfig:
     bootstrap_timeout_ms: int = 30_000
     # What `serve` scores with: models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a directory.
     model_uri: str | None = None
+    shadow_model_uri: str | None = (
+        None  # a challenger stepped in shadow (docs/operations.md, "Shadow challenger")
+    )
     # Kafka security (TLS, SASL), passed to every client as KAFKA_SECURITY names them; None: the client's default.
     kafka_security_protocol: str | None = None  # SECURITY_PROTOCOLS; the client's default is PLAINTEXT
     kafka_sasl_mechanism: str | None = None  # SASL_MECHANISMS

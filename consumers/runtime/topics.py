@@ -108,3 +108,9 @@ def _partition_count(admin: KafkaAdminClient, topic: str) -> int:
         if described["partitions"] or time.monotonic() > deadline:
             return len(described["partitions"])
         time.sleep(0.1)
+
+
+create_topic, partition_count = (
+    _create,
+    _partition_count,
+)  # for the shadow's topics (consumers/service/shadow.py)

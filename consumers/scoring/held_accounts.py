@@ -47,6 +47,7 @@ class ScorerCheckpoint:
     changed: set[str]  # of these accounts, those changed and not yet taken
     featurizer: FeaturizerCheckpoint  # the terminals' records and the journal
     stats: object  # the scorer's ScorerStats
+    shadow: dict[str, bytes] = dataclasses.field(default_factory=dict)  # the shadow's records of `records`
 
 
 class HeldAccounts:
@@ -62,7 +63,10 @@ class HeldAccounts:
         """Bytes of memory one held account takes: its detector state (the store row, e.g. ~1 KB for the
         default LSTM, ~64 KB for the softmax Transformer's window), its featurizer record, the store's
         bookkeeping and ACCOUNT_OVERHEAD_BYTES."""
-        return self.store.row_bytes + ACCOUNT_STATE.itemsize + STORE_ROW_BYTES + ACCOUNT_OVERHEAD_BYTES
+        shadow = 0 if self.shadow is None else self.shadow.store.row_bytes + STORE_ROW_BYTES
+        return (
+            self.store.row_bytes + ACCOUNT_STATE.itemsize + STORE_ROW_BYTES + ACCOUNT_OVERHEAD_BYTES + shadow
+        )
 
     def states_within(self, max_states: int, max_bytes: int) -> int:
         """How many account states memory holds under both caps (max_states_in_memory,
@@ -100,11 +104,7 @@ class HeldAccounts:
         if not account_ids:
             return []
         rows = np.array([self._row(a) for a in account_ids], dtype=np.int64)
-        table = self.featurizer.accounts
-        missing = [a for a in account_ids if a not in table]
-        if missing:  # in the store but never featurized: no events applied yet
-            table.slots(missing)
-        features = table.records[[table.slot_of[a] for a in account_ids]]  # [N] structured records
+        features = self.feature_records(account_ids)
         store = self.store
         return encode_account_records(
             features,
@@ -116,6 +116,18 @@ class HeldAccounts:
             store.recent_ids[rows],
             store.recent_next[rows],
         )
+
+    def feature_records(self, account_ids: Sequence[str]) -> np.ndarray:
+        """[N] the featurizer's records of the accounts (ACCOUNT_STATE), for their state records."""
+        table = self.featurizer.accounts
+        missing = [a for a in account_ids if a not in table]
+        if missing:  # in the store but never featurized: no events applied yet
+            table.slots(missing)
+        return table.records[[table.slot_of[a] for a in account_ids]]
+
+    def shadow_states_bytes(self, account_ids: Sequence[str]) -> list[bytes]:
+        """The shadow challenger's state record of each account (consumers/scoring/shadow.py)."""
+        return self.shadow.states_bytes(account_ids, self.feature_records(account_ids))
 
     @torch.inference_mode()
     def restore_account(self, account_id: str, data: bytes) -> None:
@@ -138,6 +150,8 @@ class HeldAccounts:
                 "means nothing to these weights. Serve the model that wrote it, or rebuild the account's "
                 "state by replaying its history through this model"
             )
+        if self.shadow is not None:
+            self.shadow.evict(account_id)  # its shadow state went with the old record: restored after this
         row = self.store.rows([account_id])[0]
         self.store.scatter(np.array([row]), state)
         self.store.partition[row] = record.partition
@@ -176,6 +190,9 @@ class HeldAccounts:
                 self.restore_account(ids[at], chunk[at])
                 raise
             header = records["header"]
+            if self.shadow is not None:
+                for account in ids:
+                    self.shadow.evict(account)  # as in restore_account
             rows = _rows(self.store.slot_of, self.store.add, ids)
             self.store.scatter(rows, state)
             self.store.partition[rows] = header["partition"]
@@ -202,6 +219,8 @@ class HeldAccounts:
                 "when those events will be redelivered (e.g. an aborted transaction)"
             )
         self.store.evict(account_id)
+        if self.shadow is not None:
+            self.shadow.evict(account_id)
         if account_id in self.featurizer.accounts:
             self.featurizer.accounts.evict(account_id)
         self._changed.discard(account_id)
@@ -219,12 +238,14 @@ class HeldAccounts:
         for a last resort that scores events one at a time, not for every batch."""
         accounts = list(dict.fromkeys(account_ids))
         held = [a for a in accounts if a in self.store]
+        shadowed = [a for a in held if self.shadow is not None and a in self.shadow.store]
         return ScorerCheckpoint(
             records=dict(zip(held, self.account_states_bytes(held), strict=True)),
             absent={a for a in accounts if a not in self.store},
             changed=self._changed.intersection(accounts),
             featurizer=self.featurizer.checkpoint([], list(dict.fromkeys(terminal_ids))),
             stats=dataclasses.replace(self.stats),
+            shadow=dict(zip(shadowed, self.shadow_states_bytes(shadowed), strict=True)) if shadowed else {},
         )
 
     def rollback(self, checkpoint: ScorerCheckpoint) -> None:
@@ -234,6 +255,8 @@ class HeldAccounts:
                 self.evict(account, discard_changes=True)
         for account, data in checkpoint.records.items():
             self.restore_account(account, data)
+        if checkpoint.shadow:
+            self.shadow.restore(list(checkpoint.shadow), list(checkpoint.shadow.values()), self.store)
         self._changed -= checkpoint.absent | set(checkpoint.records)
         self._changed |= checkpoint.changed
         self.featurizer.rollback(checkpoint.featurizer)

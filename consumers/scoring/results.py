@@ -35,6 +35,7 @@ class Scored:
     # The alerts' reasons, by index in `records`, when the scorer gives reasons. Beside the records, not in
     # them: a reason's last bits follow how many alerts shared its attribution call, a score's never do.
     reasons: dict[int, Explanation] = field(default_factory=dict)
+    shadow_logit: np.ndarray | None = None  # [len(records)] the shadow challenger's logits, when it has one
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ScorerStats:
     featurize_s: float = 0.0  # streaming featurizer
     detector_s: float = 0.0  # gather, step and scatter, all rounds
     explain_s: float = 0.0  # the alerts' reasons: state snapshots and attribution
+    shadow_s: float = 0.0  # the shadow challenger's step (consumers/scoring/shadow.py)
     total_s: float = 0.0  # the whole micro-batch: the rest is dedup, normalisation and bookkeeping
 
 
@@ -64,3 +66,4 @@ class ScoredArrays(NamedTuple):
     out_of_order: np.ndarray  # bool
     rejected: list[Rejected]
     reasons: dict[int, Explanation]  # of the alerts explained, by position among the applied events
+    shadow_logit: np.ndarray | None = None  # float64, the shadow challenger's, when the scorer has one

@@ -16,7 +16,9 @@ Per micro-batch (one Kafka poll, or one slice of a replayed history), in arrival
   6. bookkeeping: each account's last applied position, newest ts and recent event ids, the set of changed
      accounts;
   7. reasons for the alerts (explain.py): each alerted event's logit attributed with its account's state
-     before the event held fixed, from a copy of the batch's states taken before step 5.
+     before the event held fixed, from a copy of the batch's states taken before step 5;
+  8. with a shadow challenger (shadow.py), its detector steps the same feature rows from its own states,
+     and its rows copy the champion's bookkeeping.
 Rejected events come back with the reason (score_batch), for the service's dead-letter topic.
 
 State lives in two places per account — the featurizer's account record and a row of the batched detector
@@ -43,6 +45,7 @@ from consumers.scoring.explain import AlertExplainer
 from consumers.scoring.held_accounts import HeldAccounts
 from consumers.scoring.messages import Transaction
 from consumers.scoring.results import Rejected, Scored, ScoredArrays, ScoreRecord, ScorerStats
+from consumers.scoring.shadow import ShadowModel
 from consumers.scoring.state_store import StateStore, rounds_of
 from pipeline.features.reasons import Explanation
 from pipeline.features.stream import StreamingFeaturizer
@@ -56,10 +59,17 @@ class Scorer(HeldAccounts):
     """Scores micro-batches of transactions from per-account recurrent states, one event at a time each.
 
     The detector is put in eval mode. `threshold` (a probability) defaults to the model's meta["threshold"],
-    else 0.5. `reasons`: how many reasons each alert's record carries (0: none, and no cost).
+    else 0.5. `reasons`: how many reasons each alert's record carries (0: none, and no cost). `shadow`: a
+    challenger stepped on the same events with states of its own (shadow.py), scored in Scored.shadow_logit.
     """
 
-    def __init__(self, model: LoadedModel, threshold: float | None = None, reasons: int = 3):
+    def __init__(
+        self,
+        model: LoadedModel,
+        threshold: float | None = None,
+        reasons: int = 3,
+        shadow: LoadedModel | None = None,
+    ):
         detector, spec = model.detector, model.spec
         spec.check_compatible()
         c = detector.config
@@ -89,6 +99,7 @@ class Scorer(HeldAccounts):
         self.explainer = AlertExplainer(self.detector, reasons) if reasons else None
         self._x_dtype = weights
         self._changed: set[str] = set()
+        self.shadow = None if shadow is None else ShadowModel(shadow, spec)
         self._warm_up()
 
     @torch.inference_mode()
@@ -99,6 +110,8 @@ class Scorer(HeldAccounts):
             1, self.detector.config.num_features + 1, dtype=self._x_dtype, device=self.detector.device
         )
         self.detector.step(x, self.detector.init_state(1))
+        if self.shadow is not None:
+            self.shadow.detector.step(x.to(self.shadow.detector.device), self.shadow.detector.init_state(1))
 
     # -- scoring -----------------------------------------------------------------------------------------
     def score(
@@ -165,7 +178,7 @@ class Scorer(HeldAccounts):
                 strict=True,
             )
         ]
-        return Scored(records, out.rejected, out.reasons)
+        return Scored(records, out.rejected, out.reasons, out.shadow_logit)
 
     def observe_labels(self, labels: LabelBatch) -> None:
         """Apply fraud labels that arrive between batches (label_ts <= every later event's ts)."""
@@ -209,6 +222,7 @@ class Scorer(HeldAccounts):
         logit = score = np.empty(0)
         late = np.empty(0, dtype=bool)
         reasons = {}
+        shadow_logit = None if self.shadow is None else np.empty(0)
         if len(applied):
             t = time.perf_counter()
             part = take_events(events, applied)
@@ -244,6 +258,11 @@ class Scorer(HeldAccounts):
                         "not finite: its state is not either. A fault of the model, not of the input"
                     )
                 score = _sigmoid(logit)
+                if self.shadow is not None:
+                    t = time.perf_counter()
+                    accounts = [events.account_ids[i] for i in applied.tolist()]
+                    shadow_logit = self.shadow.step(accounts, features, buckets)  # [M]
+                    self.stats.shadow_s += time.perf_counter() - t
                 if explainer is not None:
                     t = time.perf_counter()
                     alerts = np.flatnonzero(score >= self.threshold)
@@ -259,8 +278,14 @@ class Scorer(HeldAccounts):
         if last_position is not None:
             for row, (partition, offset) in last_position.items():
                 self.store.partition[row], self.store.offset[row] = partition, offset
+        if self.shadow is not None and len(applied):
+            self.shadow.mirror(
+                list(dict.fromkeys(events.account_ids[i] for i in applied.tolist())), self.store
+            )
         rejected.sort()
-        out = ScoredArrays(applied, logit, score, score >= self.threshold, late, rejected, reasons)
+        out = ScoredArrays(
+            applied, logit, score, score >= self.threshold, late, rejected, reasons, shadow_logit
+        )
         m = len(applied)
         self.stats.batches += 1
         self.stats.events_in += n

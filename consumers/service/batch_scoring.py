@@ -38,7 +38,8 @@ from consumers.scoring.messages import Transaction, UnknownFields, decode_transa
 from consumers.scoring.outputs import dead_letter_value, encode_scores
 from consumers.scoring.scorer import Scorer
 from consumers.service.commit_pipeline import OutputRecord, ScoredBatch
-from consumers.service.dormant import DormantStates, Place
+from consumers.service.dormant import DormantStates
+from consumers.service.shadow import ShadowSide
 from consumers.terminals.deltas import encode_deltas
 from consumers.terminals.feed import FeedReader
 from consumers.terminals.idle import TerminalEviction
@@ -60,7 +61,9 @@ class BatchScorer:
         model_version: str,
         co_partitioned: bool,
         dormant: DormantStates,
-        read_states: Callable[[dict[str, Place]], dict[str, bytes]],
+        read_states: Callable[..., dict[str, bytes]],
+        shadow: ShadowSide | None = None,
+        changelog: str | None = None,
     ):
         self.scorer, self.feed = scorer, feed
         self.session = b""  # the key of this instance's deltas since its last restore (set by the service)
@@ -88,6 +91,9 @@ class BatchScorer:
             cfg.topic("dead_letter"), cfg.topic("changelog"), cfg.topic("terminal_deltas")
         )  # fmt: skip
         self.transactions_topic = cfg.topic("transactions")
+        self.shadow = shadow  # the challenger's records and states (consumers/service/shadow.py), or None
+        if changelog is not None:  # the served model's own, when it was promoted from shadow
+            self.changelog = changelog
 
     def score(self, batch: dict, careful: bool = False) -> ScoredBatch:
         """Decode, apply labels, score and encode a polled batch ({TopicPartition: records}); `careful`:
@@ -175,6 +181,9 @@ class BatchScorer:
                 )
                 out.alerts += 1
             partition_of[s.account_id] = s.position[0]
+        if self.shadow is not None:
+            partitions = [s.position[0] if self.co_partitioned else None for s in scored.records]
+            records += self.shadow.records(scored.records, scored.shadow_logit, partitions)
         out.scored += len(scored.records)
         created = {(e.record.partition, e.record.offset): e.record.timestamp for e in events}
         out.created_ms += [created[s.position] for s in scored.records]  # duplicates dropped: no score
@@ -186,6 +195,8 @@ class BatchScorer:
         changed = sorted(scorer.take_changed())
         for account, state in zip(changed, scorer.account_states_bytes(changed), strict=True):
             records.append((self.changelog, account, state, partition_of[account]))
+        if self.shadow is not None:  # in the same transaction: exactly once for both models
+            records += self.shadow.state_records(changed, partition_of)
         return records
 
     def _score_alone(self, out: ScoredBatch, event: _Event) -> None:
@@ -210,6 +221,8 @@ class BatchScorer:
             return
         for account, value in self.read_states(returning).items():
             self.scorer.restore_account(account, value)
+        if self.shadow is not None:
+            self.shadow.bring_back(list(returning), lambda topic, wanted: self.read_states(wanted, topic))
         out.reloaded = len(returning)
 
     def _dead_letter_record(self, record, error: MessageError) -> OutputRecord:

@@ -43,6 +43,7 @@ from consumers.service.commit_pipeline import ScoredBatch, TransactionPipeline
 from consumers.service.dormant import DormantStates
 from consumers.service.producer import Transactions, merged_batches
 from consumers.service.restore import Restore
+from consumers.service.shadow import ShadowSide, changelog_for, ensure_shadow_topics
 from consumers.service.stats import Bookkeeping, ServeStats, model_info
 from consumers.terminals.feed import FeedReader
 from consumers.terminals.writer import TerminalTableWriter
@@ -57,15 +58,20 @@ def serve(
     model: str | LoadedModel,
     bootstrap: str,
     stop_event: threading.Event | None = None,
+    shadow: str | LoadedModel | None = None,
 ) -> ServeStats:
     """Run one member of the scoring consumer group until `stop_event` is set or SIGTERM/SIGINT arrives.
 
     The batch in flight is finished and committed before returning. `model`: a LoadedModel, or a URI for
     pipeline.registry.tracking.load_model. Signal handlers are only installed when called from the main thread.
+    `shadow` (else cfg.shadow_model_uri): a challenger stepped on every event, scored to shadow_scores, never
+    alerting (consumers/service/shadow.py).
     """
     loaded = load_model(model) if isinstance(model, str) else model
+    shadow = cfg.shadow_model_uri if shadow is None else shadow
+    challenger = load_model(shadow) if isinstance(shadow, str) else shadow
     stop = stop_event or threading.Event()
-    service = _Service(cfg, loaded)
+    service = _Service(cfg, loaded, challenger)
     with stop_on_signals(stop):
         try:
             service.start(bootstrap)
@@ -87,9 +93,9 @@ def serve(
 
 
 class _Service(Restore, Transactions, Bookkeeping):
-    def __init__(self, cfg: ServeConfig, model: LoadedModel):
+    def __init__(self, cfg: ServeConfig, model: LoadedModel, shadow: LoadedModel | None = None):
         self.cfg = cfg
-        self.scorer = Scorer(model, cfg.threshold, cfg.alert_reasons)
+        self.scorer = Scorer(model, cfg.threshold, cfg.alert_reasons, shadow)
         self.model_version = str(model.meta.get("model_version", model.source or model.name))
         self.stats = ServeStats()
         self.limit = BatchLimit(cfg.max_poll_records, cfg.max_poll_interval_ms)
@@ -122,6 +128,7 @@ class _Service(Restore, Transactions, Bookkeeping):
         capacity = self.scorer.states_within(cfg.max_states_in_memory, cfg.max_state_bytes_in_memory)
         self.scorer.store.row_limit = capacity + 2 * cfg.max_poll_records
         self.dormant = DormantStates(capacity)
+        self.shadow = None if shadow is None else ShadowSide(cfg, self.scorer, capacity)
         log.info(
             "state memory cap accounts=%d bytes_per_account=%d (max_states_in_memory=%d max_state_bytes_in_memory=%d)",
             capacity, self.scorer.state_bytes_per_account, cfg.max_states_in_memory, cfg.max_state_bytes_in_memory,
@@ -136,6 +143,9 @@ class _Service(Restore, Transactions, Bookkeeping):
         if cfg.metrics_port:  # first: the probes answer (not ready) while the rest starts
             self.metrics_server = StatusServer(self.metrics, self.probes, cfg.metrics_host, cfg.metrics_port)
         self.partitions = ensure_topics(cfg, bootstrap)
+        self.changelog = changelog_for(cfg, bootstrap, self.scorer.model_fingerprint)  # promoted: its own
+        if self.shadow is not None:
+            ensure_shadow_topics(cfg, bootstrap, self.shadow.changelog, self.partitions)
         security = cfg.kafka_security
         # Reads the changelog on assignment and the terminal table; no group, so it never joins or commits.
         self.restorer = Reader.connect(bootstrap, "txsentinel-serve-restore", **RESTORE_FETCH, **security)
@@ -154,7 +164,10 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics)
         self.batches = BatchScorer(
             cfg, self.scorer, self.feed, self.model_version, co_partitioned, self.dormant,
-            lambda wanted: read_at(self.restorer, self.changelog, wanted, cfg.restore_timeout_s),
+            lambda wanted, topic=None: read_at(
+                self.restorer, topic or self.changelog, wanted, cfg.restore_timeout_s
+            ),
+            self.shadow, self.changelog,
         )  # fmt: skip
         self._restore_terminals()  # before joining the group: no event is scored without the table
         self.consumer = KafkaConsumer(
@@ -174,9 +187,10 @@ class _Service(Restore, Transactions, Bookkeeping):
         self._subscribe()
         self.probes.done("start")
         log.info(
-            "serve started topic=%s partitions=%d group=%s transactional_id=%s model=%s threshold=%.4f",
+            "serve started topic=%s partitions=%d group=%s transactional_id=%s model=%s threshold=%.4f "
+            "changelog=%s shadow=%s",
             self.topic, self.partitions, cfg.group_id, self.transactional_id, self.model_version,
-            self.scorer.threshold,
+            self.scorer.threshold, self.changelog, self.shadow and self.shadow.model.version,
         )  # fmt: skip
 
     # -- the loop ----------------------------------------------------------------------------------------

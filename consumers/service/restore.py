@@ -84,6 +84,8 @@ class Restore:
         self.to_restore -= set(partitions)
         self.to_seek -= set(partitions)
         self.dormant.drop_partitions(partitions)
+        if self.shadow is not None:
+            self.shadow.places.drop_partitions(partitions)
         if partitions:
             self.probes.wait_for(
                 "partitions", "rebalancing: partitions revoked, waiting for the next assignment"
@@ -177,6 +179,10 @@ class Restore:
             self.scorer, self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s, keep=room
         )
         restored, read, where = len(done.accounts), done.read, done.where
+        if self.shadow is not None:  # after the champion's: a challenger record is kept when current
+            kept, shadow_read = self.shadow.restore(self.restorer, partitions, self.cfg.restore_timeout_s)
+            read += shadow_read
+            log.info("shadow restore done partitions=%s states=%d", partitions, kept)
         self.dormant.drop_partitions(partitions)
         self.dormant.restored(where, done.accounts, self.batches.seq if self.batches else 0)
         seconds = time.monotonic() - started
@@ -214,6 +220,8 @@ class Restore:
             ends = {p: self.dormant.ends.get(p, 0) for p in kept}
             places, read = read_places(self.restorer, self.changelog, ends, self.cfg.restore_timeout_s)
             self.dormant.committed(places)
+            if self.shadow is not None:
+                read += self.shadow.read_tail(self.restorer, kept, self.cfg.restore_timeout_s)
             self.stats.changelog_records_read += read
             self.metrics.inc("txsentinel_changelog_records_read_total", read)
         self.stats.states_rewound += len(held)
@@ -248,6 +256,8 @@ class Restore:
                 if topic == self.changelog
             }
         )
+        if self.shadow is not None:
+            self.shadow.committed(out.records, out.sent)
         evicted = self.dormant.to_evict(self.scorer.accounts_in_memory, out.seq)
         for account in evicted:
             self.scorer.evict(account)  # its latest state is a committed record: it comes back exactly

@@ -19,7 +19,13 @@ from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.cli.bench_commands import add_bench_commands
 from pipeline.cli.errors import EXIT_INPUT, OperatorError
 from pipeline.cli.logs import add_logging_flags
-from pipeline.cli.serving import add_serve_settings, run_serve, run_terminal_writer
+from pipeline.cli.serving import (
+    add_live_compare_flags,
+    add_serve_settings,
+    run_live_compare,
+    run_serve,
+    run_terminal_writer,
+)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -115,6 +121,8 @@ def _backtest(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    if args.live:
+        return run_live_compare(args)
     from pipeline.evaluation.compare import compare
 
     compare(experiment=args.experiment, metric=args.metric, out=args.out, data=args.data)
@@ -218,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a dir (or TXS_MODEL_URI)",
     )
+    p.add_argument(
+        "--shadow",
+        default=None,
+        help="a challenger scored in shadow on the same events, to shadow-scores, never alerting "
+        "(or TXS_SHADOW_MODEL_URI)",
+    )
     add_serve_settings(p)
     p.set_defaults(run=run_serve)
     add_logging_flags(p, always=True)
@@ -265,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data", type=Path, default=None, help="dataset, for known-fraud exclusions in CP@k plots"
     )
+    add_live_compare_flags(p)
     p.set_defaults(run=_compare)
 
     bench = add_bench_commands(sub)

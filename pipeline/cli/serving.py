@@ -38,6 +38,7 @@ def serve_config(args: argparse.Namespace):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     named = {"bootstrap_servers": args.bootstrap_servers, "group_id": args.group_id}
     named["model_uri"] = getattr(args, "model", None)
+    named["shadow_model_uri"] = getattr(args, "shadow", None)
     flags = {name: value for name, value in named.items() if value is not None}
     flags.update(parse_settings(args.set))  # last: --set wins over the named flags
     return read_serve_config(args.config, flags)
@@ -64,8 +65,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     with model_errors(cfg.model_uri):
         model = load_model(cfg.model_uri)
+    shadow = None
+    if cfg.shadow_model_uri is not None:
+        with model_errors(cfg.shadow_model_uri):
+            shadow = load_model(cfg.shadow_model_uri)
     with kafka_errors(cfg):
-        stats = serve(cfg, model, cfg.bootstrap_servers)
+        stats = serve(cfg, model, cfg.bootstrap_servers, shadow=shadow)
     print(f"serve stopped: {stats}")
     return 0
 
@@ -79,4 +84,33 @@ def run_terminal_writer(args: argparse.Namespace) -> int:
     with kafka_errors(cfg):
         stats = run_writer(cfg, cfg.bootstrap_servers)
     print(f"terminal writer stopped: {stats}")
+    return 0
+
+
+def add_live_compare_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="the served model and its shadow challenger on live traffic (scores, shadow-scores, labels)",
+    )
+    p.add_argument("--since", default="7d", help="with --live: how far back, e.g. 7d or 12h (default 7d)")
+    p.add_argument("--k", type=int, default=100, help="with --live: CP@k's k (default 100)")
+    p.add_argument("--no-mlflow", action="store_true", help="with --live: do not log the table to MLflow")
+    add_serve_settings(p)
+
+
+def run_live_compare(args: argparse.Namespace) -> int:
+    cfg, _ = serve_config(args)
+    from pipeline.evaluation.live_compare import LiveCompareConfig, format_table, live_compare
+
+    since = args.since.strip()
+    units = {"d": 1.0, "h": 1 / 24}
+    try:
+        days = float(since[:-1]) * units[since[-1:]]
+    except (KeyError, ValueError):
+        raise ValueError(f"--since {since!r}: expected a number of days or hours, e.g. 7d or 12h") from None
+    config = LiveCompareConfig(since_days=days, k=args.k, log_to_mlflow=not args.no_mlflow)
+    with kafka_errors(cfg):
+        table = live_compare(cfg, cfg.bootstrap_servers, config)
+    print(format_table(table))
     return 0

@@ -27,12 +27,12 @@ from pipeline.registry.artifact import save_model_dir
 TOLERANCE = 1e-5
 
 
-def save_tiny_model(frame: pl.DataFrame, fit_days: int, out, version: str) -> str:
+def save_tiny_model(frame: pl.DataFrame, fit_days: int, out, version: str, seed: int = 0) -> str:
     """An untrained tiny LSTM artifact whose normalisation is fitted on the first `fit_days` of `frame`."""
     features = compute_features(frame)
     start = frame["ts"].min()
     spec = fit_feature_spec(features, start, start + timedelta(days=fit_days))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tiny = {"num_features": spec.num_features, "d_model": 8, "num_layers": 1, "dropout": 0.0}
     detector = build_detector("lstm", tiny)
     return str(save_model_dir(out, detector, spec, {"model_version": version}))
@@ -76,13 +76,13 @@ def produce(bootstrap: str, topic: str, messages: list[tuple[str, bytes | None]]
 class Running:
     """serve() on a thread; stop() sets its stop_event, joins, and re-raises what serve raised."""
 
-    def __init__(self, cfg, model, bootstrap):
+    def __init__(self, cfg, model, bootstrap, shadow=None):
         self.stop_event = threading.Event()
         self.stats = self.error = None
 
         def target():
             try:
-                self.stats = serve(cfg, model, bootstrap, stop_event=self.stop_event)
+                self.stats = serve(cfg, model, bootstrap, stop_event=self.stop_event, shadow=shadow)
             except BaseException as error:
                 self.error = error
 
