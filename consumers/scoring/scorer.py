@@ -89,6 +89,9 @@ class Scorer(HeldAccounts):
         self.explainer = AlertExplainer(self.detector, reasons) if reasons else None
         self._x_dtype = weights
         self._changed: set[str] = set()
+        # Called with each applied batch's features [M, F] (before normalisation), scores [M] and ts [M]:
+        # the service's drift window (consumers/runtime/drift.py) counts what it commits
+        self.on_scored: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
         self._warm_up()
 
     @torch.inference_mode()
@@ -244,6 +247,8 @@ class Scorer(HeldAccounts):
                         "not finite: its state is not either. A fault of the model, not of the input"
                     )
                 score = _sigmoid(logit)
+                if self.on_scored is not None:
+                    self.on_scored(features, score, ts_us)
                 if explainer is not None:
                     t = time.perf_counter()
                     alerts = np.flatnonzero(score >= self.threshold)
