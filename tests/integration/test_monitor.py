@@ -123,7 +123,9 @@ def test_an_unshifted_stream_stays_and_amounts_times_ten_move_the_amount_psi(
             assert scrape(port, "txsentinel_drift_window_events") >= week
             before = {f: psi_of(port, f) for f in ("log_amount", "amount_z", "hour_sin", "weekday_sin")}
             # a window of whole batches holds a little more than a week, so the weekday is a little off
-            assert before["log_amount"] < 0.1 and before["amount_z"] < 0.1 and before["hour_sin"] < 0.1, before
+            assert before["log_amount"] < 0.1 and before["amount_z"] < 0.1 and before["hour_sin"] < 0.1, (
+                before
+            )
             assert before["weekday_sin"] < 0.25, before
             assert scrape(port, "txsentinel_feature_psi_max") < 0.25
             assert scrape(port, "txsentinel_score_psi") < 0.25

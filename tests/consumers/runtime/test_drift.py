@@ -69,7 +69,9 @@ def test_gauges_and_no_reference():
     values = parse(metrics.render())
     assert values['txsentinel_feature_psi{feature="amount"}'] < 0.2
     assert values["txsentinel_feature_psi_max"] == max(drift.feature_psi().values())
-    assert math.isnan(values["txsentinel_score_psi"]) and math.isnan(values["txsentinel_alert_budget_per_day"])
+    assert math.isnan(values["txsentinel_score_psi"]) and math.isnan(
+        values["txsentinel_alert_budget_per_day"]
+    )
     assert values['txsentinel_drift_reference{of="features"}'] == 1.0
     assert values['txsentinel_drift_reference{of="scores"}'] == 0.0
     assert values["txsentinel_drift_window_events"] == 100

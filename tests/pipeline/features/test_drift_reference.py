@@ -23,7 +23,9 @@ def test_deciles_hold_a_tenth_each_and_the_same_values_again_have_psi_zero():
     reference = fit_reference(values)
     assert len(reference["edges"]) == 9
     assert np.allclose(reference["proportions"], 0.1, atol=1e-3)
-    assert psi(np.asarray(reference["proportions"]), counts_of(reference, values)) == pytest.approx(0, abs=1e-9)
+    assert psi(np.asarray(reference["proportions"]), counts_of(reference, values)) == pytest.approx(
+        0, abs=1e-9
+    )
 
 
 def test_a_sample_of_the_same_distribution_stays_low_and_amounts_times_ten_go_high():
