@@ -44,6 +44,7 @@ COVERED_ELSEWHERE = {
     "uv export": ("tests/test_packaging.py", '"export",'),
     "uv venv": ("tests/test_packaging.py", 'uv("venv"'),
     "txsentinel bench restore": ("tests/pipeline/bench/test_restore.py", '"bench", "restore"'),
+    "txsentinel monitor": ("tests/integration/test_monitor.py", '"monitor", f"--metrics-url'),
 }
 
 # (pattern, replacement) applied in order to each command before it runs: smaller sizes, filled placeholders.

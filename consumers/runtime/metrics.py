@@ -115,10 +115,53 @@ METRICS = {
         "histogram",
         "End-to-end latency: the input record's timestamp to the commit that made its score visible.",
     ),
+    # Drift and state health (consumers/runtime/drift.py, state_health.py), refreshed every drift_refresh_s
+    # over the last drift_window_events scored events; the labelled ones are in LABELLED.
+    "txsentinel_feature_psi": (
+        "gauge",
+        "Population stability index of each input feature over the window against its training distribution.",
+    ),
+    "txsentinel_feature_psi_max": ("gauge", "The largest txsentinel_feature_psi (NaN without a reference)."),
+    "txsentinel_score_psi": (
+        "gauge",
+        "Population stability index of the scores over the window against the validation scores (NaN: none).",
+    ),
+    "txsentinel_drift_reference": (
+        "gauge",
+        "1 when the model carries the reference drift is measured against (of: features, scores), 0 when not.",
+    ),
+    "txsentinel_drift_window_events": ("gauge", "Scored events in the drift window."),
+    "txsentinel_window_alerts_per_day": (
+        "gauge",
+        "Alerts per day of event time over the drift window (this instance's partitions only).",
+    ),
+    "txsentinel_alert_budget_per_day": (
+        "gauge",
+        "The alert budget the model's threshold was chosen for (meta alert_budget; NaN: unknown).",
+    ),
+    "txsentinel_state_norm": (
+        "gauge",
+        "Percentiles (quantile: 0.5, 0.9, 0.99, 1) of the L2 norm of the held account states.",
+    ),
+    "txsentinel_states_initial_ratio": (
+        "gauge",
+        "Share of the held account states still equal to the initial state (no history).",
+    ),
+    "txsentinel_states_nonfinite": ("gauge", "Held account states with a value that is not finite."),
+    "txsentinel_nonfinite_guards_total": (
+        "counter",
+        "Events stopped before they changed a state because their feature row was not finite (dead-lettered).",
+    ),
     "txsentinel_model_info": (
         "info",
         "The model this instance serves: registered name and version, detector, feature version, source URI.",
     ),
+}
+# labelled gauges: name -> their label; their values are set together, one per label value (set_labelled)
+LABELLED = {
+    "txsentinel_feature_psi": "feature",
+    "txsentinel_drift_reference": "of",
+    "txsentinel_state_norm": "quantile",
 }
 HISTOGRAMS = {
     "txsentinel_batch_events": (1, 10, 50, 100, 250, 500, 1000, 2000, 5000),
@@ -156,7 +199,12 @@ class Metrics:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._values = {name: 0.0 for name, (kind, _) in METRICS.items() if kind in ("counter", "gauge")}
+        self._values = {
+            name: 0.0
+            for name, (kind, _) in METRICS.items()
+            if kind in ("counter", "gauge") and name not in LABELLED
+        }
+        self._labelled: dict[str, dict[str, float]] = {name: {} for name in LABELLED}
         self._histograms = {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
         self._info: dict[str, dict[str, str]] = {}
         self._read: dict[str, Callable[[], float]] = {}  # gauges read when scraped
@@ -172,6 +220,13 @@ class Metrics:
     def set(self, name: str, value: float) -> None:
         with self._lock:
             self._values[name] = float(value)
+
+    def set_labelled(self, name: str, values: dict[str, float]) -> None:
+        """Labelled gauge `name`: one sample per {label value: value}, replacing the previous ones."""
+        if name not in LABELLED:
+            raise ValueError(f"metric {name} has no label; labelled gauges: {sorted(LABELLED)}")
+        with self._lock:
+            self._labelled[name] = {str(key): float(value) for key, value in values.items()}
 
     def observe(self, name: str, values) -> None:
         """Add one value, or an array of them, to histogram `name`."""
@@ -200,9 +255,15 @@ class Metrics:
             values = dict(self._values)
             histograms = {name: (h.buckets(), h.sum) for name, h in self._histograms.items()}
             info = {name: dict(labels) for name, labels in self._info.items()}
+            labelled = {name: dict(samples) for name, samples in self._labelled.items()}
         values.update({name: float(read()) for name, read in self._read.items()})
         for name, (kind, text) in METRICS.items():
-            if kind == "counter":
+            if name in LABELLED:
+                family = GaugeMetricFamily(name, text, labels=[LABELLED[name]])
+                for key, value in labelled[name].items():
+                    family.add_metric([key], value)
+                yield family
+            elif kind == "counter":
                 yield CounterMetricFamily(name, text, value=values[name])
             elif kind == "gauge":
                 yield GaugeMetricFamily(name, text, value=values[name])

@@ -151,6 +151,9 @@ class ServeConfig:
     # docs/topics.md.
     timestamp_format: str = "iso8601"
     metrics_port: int = 0  # 0: no metrics endpoint
+    # Drift and state health (docs/operations.md): over the last this many scored events, published this often
+    drift_window_events: int = 20_000
+    drift_refresh_s: float = 5.0
     # The address /metrics listens on: this host only by default; a scraper elsewhere needs "0.0.0.0" (or the
     # pod's address) and a network that keeps strangers out, since the endpoint has no authentication.
     metrics_host: str = "127.0.0.1"
@@ -182,7 +185,7 @@ class ServeConfig:
             if when.tzinfo is None:
                 when = when.replace(tzinfo=datetime.UTC)
             object.__setattr__(self, "earliest_ts", when.isoformat())
-        for name in ("max_amount", "max_ts_skew_s"):
+        for name in ("max_amount", "max_ts_skew_s", "drift_refresh_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise ValueError(f"serve config: {name} = {value!r}, expected a finite number > 0")
@@ -205,6 +208,7 @@ class ServeConfig:
             ("max_message_bytes", 64),
             ("max_json_depth", 1),
             ("max_id_chars", 1),
+            ("drift_window_events", 1),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -100,6 +100,9 @@ class Scorer(HeldAccounts):
         self._x_dtype = weights
         self._changed: set[str] = set()
         self.shadow = None if shadow is None else ShadowModel(shadow, spec)
+        # Called with each applied batch's features [M, F] (before normalisation), scores [M] and ts [M]:
+        # the service's drift window (consumers/runtime/drift.py) counts what it commits
+        self.on_scored: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
         self._warm_up()
 
     @torch.inference_mode()
@@ -263,6 +266,8 @@ class Scorer(HeldAccounts):
                     accounts = [events.account_ids[i] for i in applied.tolist()]
                     shadow_logit = self.shadow.step(accounts, features, buckets)  # [M]
                     self.stats.shadow_s += time.perf_counter() - t
+                if self.on_scored is not None:
+                    self.on_scored(features, score, ts_us)
                 if explainer is not None:
                     t = time.perf_counter()
                     alerts = np.flatnonzero(score >= self.threshold)

@@ -55,6 +55,9 @@ class ScoredBatch:
     reloaded: int = 0  # dormant accounts' states read back from the changelog for this batch
     unknown_fields: int = 0  # input messages with fields of no known name, ignored (unknown_fields: ignore)
     created_ms: list[float] = field(default_factory=list)  # the scored events' produce times (latency)
+    observed: list = field(
+        default_factory=list
+    )  # (features, scores, ts_us) per scorer call: drift, at commit
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds of main-thread work
     waited_s: float = 0.0  # for the previous batch's commit, before this one could be sent
     sent: list = field(default_factory=list)  # kafka-python's futures of `records`, once published

@@ -18,15 +18,18 @@ readiness waits for the start, then for assigned partitions and their restored s
 
 import gc
 import logging
+import math
 import threading
 import time
 import uuid
 from dataclasses import asdict
 
+import numpy as np
 from kafka import KafkaConsumer
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 
 from consumers.runtime.compacted import RESTORE_FETCH, Reader, read_at
+from consumers.runtime.drift import drift_window
 from consumers.runtime.endpoints import StatusServer
 from consumers.runtime.metrics import Metrics
 from consumers.runtime.probes import Probes
@@ -107,6 +110,12 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.probes.wait_for("start", "creating topics, starting the producer, reading the terminal table")
         self.probes.wait_for("partitions", "waiting for the group to assign partitions")
         self.metrics.read_from("txsentinel_ready", lambda: self.probes.ready()[0])
+        self.drift = drift_window(model.spec, model.meta, self.scorer.threshold, cfg.drift_window_events)
+        self.observed: list = []  # what the batch being scored fed the drift window (stats.py counts it)
+        self.scorer.on_scored = lambda *scored: self.observed.append(scored)
+        self.health_at = -math.inf  # time.monotonic() of the last drift and state-health refresh
+        self.initial_state = self.scorer.detector.init_state(1)  # what state health compares held states to
+        self.health_rng = np.random.default_rng(0)  # which held states it samples
         self.fatal: BaseException | None = None  # raised in a rebalance callback, re-raised by run()
         self.assigned: set[int] = set()  # partitions of `transactions` held and restored
         self.to_restore: set[int] = set()  # assigned, paused until _catch_up has restored them
@@ -218,6 +227,7 @@ class _Service(Restore, Transactions, Bookkeeping):
             raise self.fatal  # from a rebalance callback inside either poll
         if not batch and not self.pipeline.busy():
             self._fold_feed_while_idle()
+            self._refresh_health()
         try:
             scored = self._score(batch) if batch else None  # in memory only: nothing is sent yet
             waiting = time.monotonic()
@@ -237,8 +247,10 @@ class _Service(Restore, Transactions, Bookkeeping):
             for tp, records in batch.items()
             if records
         )
+        self.observed.clear()
         try:
             scored = self.batches.score(batch, careful)
+            scored.observed, self.observed = self.observed, []
         except Exception as error:
             if careful:
                 raise  # one event at a time failed outside any one event: not the input's doing

@@ -2,10 +2,12 @@
 committed batch and the model it serves (consumers/runtime/metrics.py)."""
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from consumers.runtime.state_health import publish_state_health, state_health
 from consumers.service.commit_pipeline import Committed
 from pipeline.registry.artifact import LoadedModel
 from pipeline.registry.tracking import registered_version
@@ -94,6 +96,10 @@ class Bookkeeping:
         m.set("txsentinel_consumer_lag", self._lag())
         m.observe("txsentinel_batch_events", out.events)
         m.observe("txsentinel_commit_seconds", committed.seconds)
+        for features, scores, ts_us in out.observed:
+            self.drift.observe(features, scores, ts_us)
+        m.set("txsentinel_nonfinite_guards_total", self.scorer.stats.not_finite)
+        self._refresh_health()
         if out.created_ms:
             waited_ms = committed.at_ms - np.asarray(out.created_ms, np.float64)
             m.observe("txsentinel_latency_seconds", np.maximum(waited_ms, 0.0) / 1000.0)
@@ -103,6 +109,21 @@ class Bookkeeping:
                 "batch events=%d scored=%d %s wait_s=%.4f commit_s=%.4f",
                 out.events, out.scored, phases, out.waited_s, committed.seconds,
             )  # fmt: skip
+
+    def _refresh_health(self) -> None:
+        """The drift and state-health gauges, every drift_refresh_s (on the service's thread, between batches:
+        the states must not change under the reading)."""
+        if time.monotonic() - self.health_at < self.cfg.drift_refresh_s:
+            return
+        self.health_at = time.monotonic()
+        try:
+            self.drift.publish(self.metrics)
+            store = self.scorer.store
+            rows = np.fromiter(store.slot_of.values(), dtype=np.int64, count=len(store.slot_of))
+            health = state_health(store.states, rows, self.initial_state, self.health_rng)
+            publish_state_health(health, self.metrics)
+        except Exception:  # a gauge is not worth a batch: the service goes on, and says so
+            log.exception("drift and state health: refresh failed")
 
     def _lag(self) -> int:
         """Records of the assigned partitions behind their high watermark (known from the last fetches)."""

@@ -19,6 +19,7 @@ from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.cli.bench_commands import add_bench_commands
 from pipeline.cli.errors import EXIT_INPUT, OperatorError
 from pipeline.cli.logs import add_logging_flags
+from pipeline.cli.monitor import add_monitor_command
 from pipeline.cli.serving import (
     add_live_compare_flags,
     add_serve_settings,
@@ -282,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_live_compare_flags(p)
     p.set_defaults(run=_compare)
 
+    add_monitor_command(sub)
     bench = add_bench_commands(sub)
 
     p = sub.add_parser("demo", help="the main job end to end on embedded defaults (what `make demo` runs)")

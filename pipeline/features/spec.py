@@ -21,6 +21,7 @@ from pipeline.features.definitions import (
     TERMINAL_BUCKETS,
     WINDOW_DAYS,
 )
+from pipeline.features.drift_reference import fit_references
 
 # A feature that is constant on the training period (a flag that never fired) is centred but not scaled.
 _MIN_STD = 1e-6
@@ -36,6 +37,9 @@ class FeatureSpec:
     terminal_buckets: int = TERMINAL_BUCKETS
     seen_terminal_bits: int = SEEN_TERMINAL_BITS
     fitted_on: dict[str, Any] = field(default_factory=dict)
+    # name -> {"edges", "proportions"}: each feature's training distribution in quantile bins, what live drift
+    # is measured against (pipeline/features/drift_reference.py); empty in specs written before it existed
+    drift_reference: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     @property
     def num_features(self) -> int:
@@ -91,7 +95,8 @@ class FeatureSpec:
 
 
 def fit_feature_spec(features: pl.DataFrame, start: datetime, end: datetime) -> FeatureSpec:
-    """Fit normalisation on the events with start <= ts < end only (the training period)."""
+    """Fit normalisation and the drift reference on the events with start <= ts < end only (the training
+    period)."""
     train = features.filter((pl.col("ts") >= start) & (pl.col("ts") < end))
     if train.height == 0:
         raise ValueError(f"no events in the training period {start.isoformat()} .. {end.isoformat()}")
@@ -101,6 +106,7 @@ def fit_feature_spec(features: pl.DataFrame, start: datetime, end: datetime) -> 
         mean=tuple(float(v) for v in values.mean(axis=0)),
         std=tuple(float(v) if v > _MIN_STD else 1.0 for v in std),
         fitted_on={"start": start.isoformat(), "end": end.isoformat(), "events": train.height},
+        drift_reference=fit_references(values, FEATURE_NAMES),
     )
 
 

@@ -30,6 +30,7 @@ from pipeline.data.splits import Period, Split, dataset_days
 from pipeline.evaluation.plots import log_evaluation
 from pipeline.evaluation.protocol import detection_metrics, scenario_metrics
 from pipeline.features import compute_features, fit_feature_spec
+from pipeline.features.drift_reference import fit_reference
 from pipeline.registry.artifact import save_model_dir
 from pipeline.registry.pyfunc_model import log_and_register
 from pipeline.registry.tracking import configure_tracking, log_params
@@ -215,6 +216,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             "metrics": results,
             "threshold": threshold.value,
             "alert_budget": threshold.as_meta(),
+            # the validation scores' distribution: what the service's score drift is measured against
+            "score_reference": _score_reference(module.scores["val"]),
         }
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = save_model_dir(Path(tmp) / "model", detector, spec, meta)
@@ -233,6 +236,11 @@ def _threshold(val_logits: np.ndarray, seqs: AccountSequences, budget_per_day: f
     scored = ~np.isnan(val_logits)
     probabilities = 1.0 / (1.0 + np.exp(-val_logits[scored].astype(np.float64)))
     return choose_threshold(probabilities, seqs.target[scored] > 0.5, seqs.ts_us[scored], budget_per_day)
+
+
+def _score_reference(val_logits: np.ndarray) -> dict[str, list[float]]:
+    scored = val_logits[~np.isnan(val_logits)].astype(np.float64)
+    return fit_reference(1.0 / (1.0 + np.exp(-scored)))  # on the probability, as the scores topic has it
 
 
 def _scored_events(seqs: AccountSequences, scores: np.ndarray) -> pl.DataFrame:

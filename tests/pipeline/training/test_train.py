@@ -91,6 +91,8 @@ from pipeline.training.sequences import build_sequences
 from pipeline.training.diagnostics import account_inputs
 model = load_model("models:/txsentinel@champion")
 assert 0 < model.meta["threshold"] < 1
+assert set(model.spec.drift_reference) == set(model.spec.names)  # what live drift is measured against
+assert abs(sum(model.meta["score_reference"]["proportions"]) - 1) < 1e-9
 frame = read_dataset("data")
 seqs = build_sequences(compute_features(frame).filter(pl.col("account_id") == {account!r}), model.spec, None)
 scores, _ = model.detector(account_inputs(seqs, 0)[None])
