@@ -18,10 +18,13 @@ from pipeline.training.hybrid_head import tree_arrays
 F = len(FEATURE_NAMES)
 
 
-def fitted_hybrid(base: str = "lstm", seed: int = 0) -> HybridDetector:
-    """A hybrid over a tiny `base`, its trees fitted on random rows [features, base score]."""
+def fitted_hybrid(base: str = "lstm", seed: int = 0, **overrides) -> HybridDetector:
+    """A hybrid over a tiny `base` (config overrides apply to both), its trees fitted on random rows
+    [features, base score]."""
     torch.manual_seed(seed)
-    unfitted = build_detector("hybrid", HybridConfig.tiny(num_features=F, base=base)).double().eval()
+    unfitted = (
+        build_detector("hybrid", HybridConfig.tiny(num_features=F, base=base, **overrides)).double().eval()
+    )
     x = random_events(unfitted, 8, 40, seed=seed)
     with torch.no_grad():
         scores, _ = unfitted(x)  # the base scores: the head is not fitted yet
@@ -29,7 +32,8 @@ def fitted_hybrid(base: str = "lstm", seed: int = 0) -> HybridDetector:
     target = rows[:, 0] + 3 * rows[:, -1] + np.random.default_rng(seed).normal(size=len(rows)) > 0.5
     arrays = tree_arrays(HistGradientBoostingClassifier(max_iter=20, random_state=seed).fit(rows, target))
     T, M = arrays.feature.shape
-    config = HybridConfig.tiny(num_features=F, base=base, trees=T, tree_nodes=M, tree_depth=arrays.depth)
+    sizes = {"trees": T, "tree_nodes": M, "tree_depth": arrays.depth}
+    config = HybridConfig.tiny(num_features=F, base=base, **overrides, **sizes)
     hybrid = HybridDetector(config, unfitted.base)
     hybrid.fit_head(arrays)
     return hybrid.double().eval()

@@ -94,6 +94,26 @@ def test_replay_equals_parallel_forward_over_each_account_history(name, frame, f
         np.testing.assert_allclose(stepped, parallel[0].double().numpy(), rtol=0, atol=1e-5)
 
 
+def test_a_fitted_hybrid_replays_as_it_runs_in_parallel(frame, features, spec):
+    from tests.models.test_hybrid import fitted_hybrid  # trees fitted over a tiny base's scores
+
+    model = LoadedModel(
+        detector=fitted_hybrid("linear_transformer", terminal_buckets=spec.terminal_buckets).float(),
+        spec=spec,
+    )
+    scored = Scorer(model).replay(frame, batch_events=BATCH_EVENTS)
+    for account in features["account_id"].unique(maintain_order=True).head(4):
+        rows = features.filter(pl.col("account_id") == account)
+        buckets = rows[TERMINAL_BUCKET_COLUMN].to_numpy()[:, None].astype(np.float32)
+        x = torch.from_numpy(np.concatenate([spec.matrix(rows), buckets], axis=1))[None]  # [1, T, F + 1]
+        with torch.inference_mode():
+            parallel, _ = model.detector(x)
+            base, _ = model.detector.base(x)
+        stepped = scored.filter(pl.col("account_id") == account)["logit"].to_numpy()
+        np.testing.assert_allclose(stepped, parallel[0].double().numpy(), rtol=0, atol=1e-5)
+        assert not np.allclose(stepped, base[0].double().numpy(), atol=1e-3)  # the trees scored, not the base
+
+
 # -- exactly-once and ordering -------------------------------------------------------------------------
 
 
