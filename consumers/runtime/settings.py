@@ -1,7 +1,8 @@
 """The scoring service's settings: a frozen dataclass whose defaults serve as they are, and which checks
-every value it is given. Each setting comes from the first of: a flag (`--set`, `--group-id`, ...), the
-environment (TXS_<NAME>), the deployment's YAML file (`txsentinel serve --config FILE`, holding only what it
-changes), the defaults here (consumers/runtime/settings_sources.py reads the layers).
+every value it is given (consumers/runtime/settings_checks.py). Each setting comes from the first of: a flag
+(`--set`, `--group-id`, ...), the environment (TXS_<NAME>), the deployment's YAML file (`txsentinel serve
+--config FILE`, holding only what it changes), the defaults here (consumers/runtime/settings_sources.py
+reads the layers).
 
 Secrets (the Kafka passwords) come from the environment only, never from a file or a flag: TXS_<NAME>, or a
 file that TXS_<NAME>_FILE names.
@@ -9,16 +10,14 @@ file that TXS_<NAME>_FILE names.
 
 import dataclasses
 import datetime
-import math
 import os
 import re
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from consumers.runtime.settings_checks import check_settings, check_type
 from consumers.runtime.settings_sources import env_name, from_text, read_layers, read_yaml_file, unknown
 
 # setting -> the kafka-python client setting it is passed as
@@ -33,9 +32,6 @@ KAFKA_SECURITY = {
     "kafka_ssl_password": "ssl_password",
 }
 SECRETS = frozenset({"kafka_sasl_password", "kafka_ssl_password"})
-SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
-SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
-TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")  # what Kafka accepts as a topic name
 
 
 @dataclass(frozen=True)
@@ -185,116 +181,7 @@ class ServeConfig:
             if when.tzinfo is None:
                 when = when.replace(tzinfo=datetime.UTC)
             object.__setattr__(self, "earliest_ts", when.isoformat())
-        for name in ("max_amount", "max_ts_skew_s", "drift_refresh_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-                raise ValueError(f"serve config: {name} = {value!r}, expected a finite number > 0")
-        for name, least in (
-            ("transactions_partitions", 1),
-            ("replication_factor", 1),
-            ("max_poll_records", 1),
-            ("poll_timeout_ms", 1),
-            ("transaction_timeout_ms", 1),
-            ("session_timeout_ms", 1),
-            ("producer_batch_bytes", 1),
-            ("producer_linger_ms", 0),
-            ("producer_retry_backoff_ms", 0),
-            ("fresh_fetch_ms", 0),  # 0: off
-            ("terminal_deltas_retention_ms", 60_000),
-            ("terminal_feed_interval_ms", 0),  # 0: before every batch
-            ("terminal_idle_days", 0),  # 0: never; else more than 30 (consumers/terminals/idle.py)
-            ("max_states_in_memory", 1),
-            ("max_state_bytes_in_memory", 1),
-            ("max_message_bytes", 64),
-            ("max_json_depth", 1),
-            ("max_id_chars", 1),
-            ("drift_window_events", 1),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"serve config: {name} = {value!r}, expected an integer >= {least}")
-        if not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port < 65536:
-            raise ValueError(
-                f"serve config: metrics_port = {self.metrics_port!r}, expected 0 (off) or a port"
-            )
-        flush_s = self.terminal_table_flush_s
-        if not isinstance(flush_s, int | float) or isinstance(flush_s, bool) or flush_s <= 0:
-            raise ValueError(
-                f"serve config: terminal_table_flush_s = {self.terminal_table_flush_s!r}, expected seconds > 0"
-            )
-        if self.restore_timeout_s <= 0:
-            raise ValueError(f"serve config: restore_timeout_s = {self.restore_timeout_s!r}, expected > 0")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(
-                f"serve config: threshold = {self.threshold!r}, expected a probability in [0, 1]"
-            )
-        if type(self.alert_reasons) is not int or self.alert_reasons < 0:
-            raise ValueError(
-                f"serve config: alert_reasons = {self.alert_reasons!r}, expected an integer >= 0 (0: no reasons)"
-            )
-        if self.instance_id is not None and (
-            not isinstance(self.instance_id, str) or not self.instance_id.strip()
-        ):
-            raise ValueError(
-                f"serve config: instance_id = {self.instance_id!r}, expected a non-empty name or null"
-            )
-        if self.key_mismatch not in ("dead-letter", "rekey"):
-            raise ValueError(
-                f"serve config: key_mismatch = {self.key_mismatch!r}, expected 'dead-letter' or 'rekey' (write "
-                "the record again under its account's key)"
-            )
-        if self.lost_feed_position not in ("fail", "earliest"):
-            raise ValueError(
-                f"serve config: lost_feed_position = {self.lost_feed_position!r}, expected 'fail' (stop with what "
-                "was lost) or 'earliest' (go on from the first record still in the log, counting what was lost)"
-            )
-        if self.terminal_table_writer not in ("embedded", "external"):
-            raise ValueError(
-                f"serve config: terminal_table_writer = {self.terminal_table_writer!r}, expected 'embedded' "
-                "(an instance runs it) or 'external' (txsentinel terminal-writer runs it)"
-            )
-        if not self.group_id:
-            raise ValueError("serve config: group_id is empty; every service instance needs its group")
-        check_fencing_timeouts(self)
-        self._check_kafka()
-        for f in dataclasses.fields(self):  # last: the checks above say more about the values they know
-            check_type(f.name, getattr(self, f.name), f.type)
-
-    def _check_kafka(self) -> None:
-        servers = self.bootstrap_servers
-        if not isinstance(servers, str) or not all(
-            re.fullmatch(r"[^\s:,]+(:\d{1,5})?", server.strip()) for server in servers.split(",")
-        ):
-            raise ValueError(
-                f"serve config: bootstrap_servers = {servers!r}, expected host:port[,host:port...]"
-            )
-        if not isinstance(self.bootstrap_timeout_ms, int) or self.bootstrap_timeout_ms < 1:
-            raise ValueError(
-                f"serve config: bootstrap_timeout_ms = {self.bootstrap_timeout_ms!r}, expected an integer >= 1"
-            )
-        if not isinstance(self.topic_prefix, str) or not TOPIC_NAME.fullmatch(self.topic_prefix or "x"):
-            raise ValueError(
-                f"serve config: topic_prefix = {self.topic_prefix!r}, expected letters, digits, '.', '_' or '-'"
-            )
-        for name in (f.name for f in dataclasses.fields(self) if f.name.endswith("_topic")):
-            topic = f"{self.topic_prefix}{getattr(self, name)}"
-            if not TOPIC_NAME.fullmatch(topic):
-                raise ValueError(
-                    f"serve config: {name} = {getattr(self, name)!r} makes topic {topic!r}, expected 1 to 249 "
-                    "letters, digits, '.', '_' or '-' in all"
-                )
-        for name, allowed in (
-            ("kafka_security_protocol", SECURITY_PROTOCOLS),
-            ("kafka_sasl_mechanism", SASL_MECHANISMS),
-        ):
-            if getattr(self, name) not in (None, *allowed):
-                raise ValueError(
-                    f"serve config: {name} = {getattr(self, name)!r}, expected one of {', '.join(allowed)}"
-                )
-        for name in ("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"serve config: {name} = {path!r}: no such file ({env_name(name)})")
+        check_settings(self)
 
     def topic(self, name: str) -> str:
         """The full name of topic `name` ("transactions", "scores", ...), prefix included."""
@@ -304,43 +191,6 @@ class ServeConfig:
     def kafka_security(self) -> dict[str, str]:
         """The kafka-python settings of the security settings that are set."""
         return {client: getattr(self, name) for name, client in KAFKA_SECURITY.items() if getattr(self, name)}
-
-
-_TYPE_NAMES = {str: "text", int: "an integer", float: "a number", bool: "true or false", type(None): "null"}
-
-
-def check_type(name: str, value: Any, hint: Any) -> None:
-    """Refuses `value` unless it is of type `hint` (a bool is not a number; an integer is)."""
-    if typing.get_origin(hint) in (types.UnionType, typing.Union):
-        allowed = typing.get_args(hint)
-    else:
-        allowed = (typing.get_origin(hint) or hint,)  # tuple[str, ...]: a tuple
-    for kind in allowed:
-        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return
-        if kind in (int, float) and isinstance(value, bool):
-            continue
-        if isinstance(kind, type) and isinstance(value, kind):
-            return
-    expected = " or ".join(_TYPE_NAMES.get(kind, str(kind)) for kind in allowed)
-    raise ValueError(f"serve config: {name} = {value!r}, expected {expected}")
-
-
-def check_fencing_timeouts(cfg: ServeConfig) -> None:
-    """Refuse a transaction timeout at or above the session timeout.
-
-    An instance that freezes (a GC pause, SIGSTOP, a stalled VM) with a transaction open loses its partitions
-    after session_timeout_ms. Its transaction must be aborted by then, which also fences its producer, so
-    that its successor restores states and offsets the frozen instance can no longer add to when it wakes.
-    """
-    if cfg.transaction_timeout_ms >= cfg.session_timeout_ms:
-        raise ValueError(
-            f"serve config: transaction_timeout_ms = {cfg.transaction_timeout_ms} is not below "
-            f"session_timeout_ms = {cfg.session_timeout_ms}: an instance frozen with a transaction open "
-            "could commit it after the group has handed its partitions to another instance. Lower "
-            "transaction_timeout_ms (by the broker's 10 s check for expired transactions, ideally) or raise "
-            "session_timeout_ms"
-        )
 
 
 def parse_settings(items: list[str] | None) -> dict[str, Any]:

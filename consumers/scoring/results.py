@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from pipeline.features.reasons import Explanation
 
@@ -67,3 +68,9 @@ class ScoredArrays(NamedTuple):
     rejected: list[Rejected]
     reasons: dict[int, Explanation]  # of the alerts explained, by position among the applied events
     shadow_logit: np.ndarray | None = None  # float64, the shadow challenger's, when the scorer has one
+
+
+def sigmoid(logit: np.ndarray) -> np.ndarray:
+    """Scores [N] float64 of logits [N] float64, with no overflow for any logit (1 / (1 + exp(-x)) warns
+    past |x| ~ 709)."""
+    return torch.sigmoid(torch.from_numpy(logit)).numpy()

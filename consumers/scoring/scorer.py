@@ -1,9 +1,9 @@
 """The micro-batched scoring engine: the one path from transactions to scores, for the service and the backtest.
 
 Per micro-batch (one Kafka poll, or one slice of a replayed history), in arrival order:
-  1. drop events already applied: (partition, offset) <= the account's last applied position in that
-     partition. Each account state records that position, so a redelivery (a crash between producing the
-     scores and committing the offsets) changes nothing, with or without Kafka transactions;
+  1. drop events already applied (applied_events.py): (partition, offset) <= the account's last applied
+     position in that partition. Each account state records that position, so a redelivery (a crash between
+     producing the scores and committing the offsets) changes nothing, with or without Kafka transactions;
   2. reject replays: an event whose event_id is among its account's last RECENT_EVENT_IDS (or earlier in
      this batch) — the same event at another offset, e.g. a producer's retry — is not applied again;
   3. featurize the rest with the streaming featurizer, in one call; an event whose feature row is not
@@ -19,7 +19,8 @@ Per micro-batch (one Kafka poll, or one slice of a replayed history), in arrival
      before the event held fixed, from a copy of the batch's states taken before step 5;
   8. with a shadow challenger (shadow.py), its detector steps the same feature rows from its own states,
      and its rows copy the champion's bookkeeping.
-Rejected events come back with the reason (score_batch), for the service's dead-letter topic.
+Rejected events come back with the reason (score_batch), for the service's dead-letter topic. The backtest
+replays a dataset through this same step (history_replay.py: Scorer.replay).
 
 State lives in two places per account — the featurizer's account record and a row of the batched detector
 store — and leaves as one byte record (account_state.py) for the changelog (held_accounts.py: records out
@@ -37,25 +38,23 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import polars as pl
 import torch
 
 from consumers.scoring.account_state import RECENT_EVENT_IDS, event_id_hash, model_fingerprint
+from consumers.scoring.applied_events import not_yet_applied, replayed
 from consumers.scoring.explain import AlertExplainer
 from consumers.scoring.held_accounts import HeldAccounts
+from consumers.scoring.history_replay import HistoryReplay
 from consumers.scoring.messages import Transaction
-from consumers.scoring.results import Rejected, Scored, ScoredArrays, ScoreRecord, ScorerStats
+from consumers.scoring.results import Rejected, Scored, ScoredArrays, ScoreRecord, ScorerStats, sigmoid
 from consumers.scoring.shadow import ShadowModel
 from consumers.scoring.state_store import StateStore, rounds_of
-from pipeline.features.reasons import Explanation
 from pipeline.features.stream import StreamingFeaturizer
-from pipeline.features.stream_batches import EventBatch, LabelBatch, replay_batches, take_events
+from pipeline.features.stream_batches import EventBatch, LabelBatch, take_events
 from pipeline.registry.artifact import DEFAULT_THRESHOLD, LoadedModel
 
-REASONS_DTYPE = pl.List(pl.Struct({"input": pl.String, "text": pl.String, "logit": pl.Float64}))
 
-
-class Scorer(HeldAccounts):
+class Scorer(HeldAccounts, HistoryReplay):
     """Scores micro-batches of transactions from per-account recurrent states, one event at a time each.
 
     The detector is put in eval mode. `threshold` (a probability) defaults to the model's meta["threshold"],
@@ -203,13 +202,13 @@ class Scorer(HeldAccounts):
         keep = np.ones(n, dtype=bool)
         last_position = None
         if pos is not None:
-            keep, last_position = self._not_yet_applied(rows, pos)
+            keep, last_position = not_yet_applied(self.store, rows, pos)
         duplicates = n - int(keep.sum())
         rejected: list[Rejected] = []
         hashes = None
         if event_ids is not None:
             hashes = np.fromiter(map(event_id_hash, event_ids), dtype=np.uint64, count=n)
-            for i in self._replays(rows, hashes, keep):
+            for i in replayed(self.store, rows, hashes, keep):
                 keep[i] = False
                 rejected.append(
                     Rejected(
@@ -260,7 +259,7 @@ class Scorer(HeldAccounts):
                         f"the detector's score of event number {bad} (account {events.account_ids[bad]!r}) is "
                         "not finite: its state is not either. A fault of the model, not of the input"
                     )
-                score = _sigmoid(logit)
+                score = sigmoid(logit)
                 if self.shadow is not None:
                     t = time.perf_counter()
                     accounts = [events.account_ids[i] for i in applied.tolist()]
@@ -302,42 +301,6 @@ class Scorer(HeldAccounts):
         self.stats.total_s += time.perf_counter() - started
         return out
 
-    def _replays(self, rows: np.ndarray, hashes: np.ndarray, keep: np.ndarray) -> list[int]:
-        """Kept events whose id hash is in their account's ring, or at an earlier event of this batch."""
-        index = np.flatnonzero(keep)
-        if len(index) == 0:
-            return []
-        known = (self.store.recent_ids[rows[index]] == hashes[index, None]).any(axis=1)
-        replays = set(index[known].tolist())
-        seen: set[tuple[int, int]] = set()
-        for i, pair in zip(
-            index.tolist(), zip(rows[index].tolist(), hashes[index].tolist(), strict=True), strict=True
-        ):
-            if pair in seen:
-                replays.add(i)
-            seen.add(pair)
-        return sorted(replays)
-
-    def _not_yet_applied(self, rows: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, dict]:
-        # -> keep [N] bool, and {row: (partition, offset)} of each account's last kept event. An event is
-        # kept when its offset is past its account's last applied one in the same partition, events kept
-        # earlier in this batch included. An account's events come from one partition (the topic is keyed
-        # by account); an event from another partition is applied and moves the account there.
-        # A plain loop over plain ints: a few hundred events, well under a millisecond.
-        last: dict[int, tuple[int, int]] = {}
-        keep = np.ones(len(rows), dtype=bool)
-        partitions, offsets = pos[:, 0].tolist(), pos[:, 1].tolist()
-        known = zip(self.store.partition[rows].tolist(), self.store.offset[rows].tolist(), strict=True)
-        for i, (row, partition, offset, before) in enumerate(
-            zip(rows.tolist(), partitions, offsets, known, strict=True)
-        ):
-            last_partition, last_offset = last.get(row, before)
-            if partition == last_partition and offset <= last_offset:
-                keep[i] = False
-            else:
-                last[row] = (partition, offset)
-        return keep, last
-
     def _step_events(
         self, rows: np.ndarray, x: torch.Tensor, ts_us: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -353,71 +316,3 @@ class Scorer(HeldAccounts):
         logit = self.store.step(rows, x).to("cpu", torch.float64).numpy()
         self.stats.detector_s += time.perf_counter() - t
         return logit, late
-
-    # -- backtest ----------------------------------------------------------------------------------------
-    def replay(
-        self,
-        frame: pl.DataFrame,
-        batch_events: int = 500,
-        progress: Callable[[int, int], None] | None = None,
-        reasons: bool = False,
-    ) -> pl.DataFrame:
-        """Score a canonical dataset in (ts, event_id) order through the live scoring path.
-
-        Fraud labels become known at their label_ts (replay_batches). `progress(done, total)` is called
-        after each micro-batch. Returns event_id, account_id, ts, score, logit, alert (and is_fraud when
-        the frame has it), in (ts, event_id) order; with `reasons`, also each alert's reasons (a list of
-        {input, text, logit}, largest first) and history_logit, null for the other events.
-        """
-        if reasons and self.explainer is None:
-            raise ValueError(
-                "replay(reasons=True) needs a Scorer that gives reasons: Scorer(model, reasons=3)"
-            )
-        ordered = frame.sort("ts", "event_id")
-        event_ids = ordered["event_id"].to_list()
-        logits = []
-        explained: dict[int, Explanation] = {}
-        done = 0
-        # replay_batches cuts `ordered` into consecutive slices of batch_events rows, in this same order.
-        for events, labels in replay_batches(ordered, batch_events):
-            ids = event_ids[done : done + len(events.ts_us)]
-            out = self._score_batch(events, ids, None, labels, explain=reasons)
-            if out.rejected:
-                first = out.rejected[0]
-                raise ValueError(
-                    f"replay: {len(out.rejected)} event(s) of rows {done}..{done + len(events.ts_us) - 1} (in "
-                    f"(ts, event_id) order) were not applied, first row {done + first.index}: {first.reason}. "
-                    "Fix the dataset (txsentinel ingest checks it) and replay again"
-                )
-            logits.append(out.logit)
-            explained.update((done + m, e) for m, e in out.reasons.items())
-            done += len(out.logit)
-            if progress is not None:
-                progress(done, ordered.height)
-        logit = np.concatenate(logits) if logits else np.empty(0)
-        score = _sigmoid(logit)
-        columns = [c for c in ("event_id", "account_id", "ts") if c in ordered.columns]
-        return ordered.select(columns).with_columns(
-            pl.Series("score", score),
-            pl.Series("logit", logit),
-            pl.Series("alert", score >= self.threshold),
-            *([ordered["is_fraud"]] if "is_fraud" in ordered.columns else []),
-            *(_reason_columns(explained, ordered.height) if reasons else []),
-        )
-
-
-def _reason_columns(explained: dict[int, Explanation], n: int) -> list[pl.Series]:
-    reasons: list[list[dict] | None] = [None] * n
-    history: list[float | None] = [None] * n
-    for i, e in explained.items():
-        reasons[i] = [r.as_dict() for r in e.reasons]
-        history[i] = e.history.logit
-    return [
-        pl.Series("reasons", reasons, dtype=REASONS_DTYPE),
-        pl.Series("history_logit", history, dtype=pl.Float64),
-    ]
-
-
-def _sigmoid(logit: np.ndarray) -> np.ndarray:
-    # float64, no overflow for any logit (1 / (1 + exp(-x)) warns past |x| ~ 709)
-    return torch.sigmoid(torch.from_numpy(logit)).numpy()

@@ -3,7 +3,7 @@
 import polars as pl
 import pytest
 
-from consumers.scoring.scorer import REASONS_DTYPE
+from consumers.scoring.history_replay import REASONS_DTYPE
 from pipeline.bench.reasons import SCENARIO_SIGNALS, top_reason_shares
 
 
