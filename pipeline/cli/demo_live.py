@@ -92,6 +92,9 @@ def print_monitor(serve: ServeConfig, bootstrap: str, metrics_port: int) -> int:
         bootstrap_servers=bootstrap,
         scores_topic=serve.topic("scores"),
     )
+    # The service publishes its drift and state gauges every drift_refresh_s: one period more, and they
+    # include the stream's last events.
+    time.sleep(serve.drift_refresh_s)
     try:
         status = run_monitor(cfg)
     except OperatorError as error:
