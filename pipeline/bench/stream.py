@@ -26,10 +26,12 @@ The harness itself keeps off the measured core (so does a broker it starts), and
 once a loop has finished: while one runs, only the broker (and in (iii) and (iv) the rate-limited producer)
 runs beside it.
 
-Run: `python -m pipeline.bench.stream [--events N] [--detectors lstm linear_transformer] [--model URI ...]`;
+Run: `python -m pipeline.bench.stream [--events N] [--detectors lstm ...] [--model URI ...] [--shadow]`;
 `--detectors` are untrained, default-size detectors (threshold at a 1% alert rate), `--model` any model the
-service loads (`models:/txsentinel@champion`, `runs:/...`, a directory), with its own threshold. The broker is
-the project's (scripts/kafka.sh): reused if it is up, otherwise started and stopped again at the end.
+service loads (`models:/txsentinel@champion`, `runs:/...`, a directory), with its own threshold. `--shadow`
+benches each model twice, alone and with a shadow challenger (serve --shadow: an untrained default-size
+detector of the same type, other weights), a row each. The broker is the project's (scripts/kafka.sh): reused
+if it is up, otherwise started and stopped again at the end.
 
 Run with `python -m`, this module is imported again by each spawned child (multiprocessing re-imports the
 main module) before the child pins its core: like stream_harness, it imports no polars, torch or MLflow at
@@ -46,7 +48,6 @@ import re
 import signal
 import tempfile
 import uuid
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,7 @@ from pipeline.bench.stream_harness import (
     wait_owned,
     wait_scored,
 )
+from pipeline.bench.stream_models import build_default_model
 
 
 def _service_run(ctx, bootstrap, model_dir, msgs, overrides, core, rate, timeout_s, phase_log=None) -> dict:
@@ -186,6 +188,7 @@ def run_stream_bench(
     timeout_s: float = 600.0,
     settings: dict | None = None,
     phase_logs: Path | None = None,
+    shadow: str | None = None,
 ) -> dict:
     """Benchmark one model (a LoadedModel or a model directory/URI loadable by the service) on `bootstrap`.
 
@@ -193,6 +196,7 @@ def run_stream_bench(
     settings: serve settings for the service runs (e.g. {"max_states_in_memory": 300}); not the raw loop.
     phase_logs: a path stem; the service's runs write their per-batch logs to `<stem>.full.log` and
     `<stem>.half.log` (a line a batch: events, each phase's seconds, the commit's; epoch timestamps).
+    shadow: a model (directory or URI) the service steps in shadow on every event (serve --shadow).
     Returns {"service": {...}, "raw": {...}, "half_rate": {...}, "raw_half_rate": {...}, "ratio": service/raw,
     ...}.
     """
@@ -213,6 +217,7 @@ def run_stream_bench(
             "transactions_partitions": partitions,
             "poll_timeout_ms": 100,
             **(settings or {}),
+            **({} if shadow is None else {"shadow_model_uri": shadow}),
         }
 
         def service(prefix: str, msgs: list, rate: float | None, run: str) -> dict:
@@ -254,35 +259,8 @@ def run_stream_bench(
         "max_poll_records": max_poll_records,
         "partitions": partitions,
         "settings": settings or {},
+        "shadow": shadow,
     }
-
-
-def build_default_model(name: str, out_dir: Path, seed: int = 0, alert_rate: float = 0.01) -> str:
-    """An untrained detector at its default size with a feature spec fitted on generated data (for cost only).
-
-    Its threshold is set so that `alert_rate` of the generated events alert, as a trained model's would be:
-    an untrained one's scores sit around 0.5, and at the default threshold it alerted on up to half the
-    events, an extra record per event that no real deployment writes.
-    """
-    # torch and polars, never in a child (module docstring)
-    import torch
-
-    from consumers.scoring.scorer import Scorer
-    from models.registry import build_detector
-    from pipeline.data.generate import GenerateConfig, generate
-    from pipeline.features import compute_features, fit_feature_spec
-    from pipeline.registry.artifact import LoadedModel, save_model_dir
-
-    frame = generate(GenerateConfig(accounts=200, days=30, seed=seed))
-    start = frame["ts"].min()
-    spec = fit_feature_spec(compute_features(frame), start, start + timedelta(days=20))
-    torch.manual_seed(seed)
-    detector = build_detector(
-        name, {"num_features": spec.num_features, "terminal_buckets": spec.terminal_buckets}
-    )
-    scores = Scorer(LoadedModel(detector=detector, spec=spec)).replay(frame)["score"]
-    meta = {"model_version": f"bench-{name}", "threshold": float(scores.quantile(1.0 - alert_rate))}
-    return str(save_model_dir(out_dir / name, detector, spec, meta))
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -314,6 +292,15 @@ def _phase_log_stem(directory: Path | None, model_name: str) -> Path | None:
     return directory / re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name).strip("_")
 
 
+def _with_shadow(name: str, model, tmp: Path) -> list[tuple]:
+    """(row name, model, shadow) of a model alone and with a shadow: an untrained detector of the same type
+    at its default size, other weights (seed 1), its own threshold at a 1% alert rate. The same type, so the
+    row's cost is a second step of that detector and a second state record of its size per changed account."""
+    detector = name if isinstance(model, str) else model.name  # an untrained one's name, or a loaded model's
+    shadow = build_default_model(detector, tmp / "shadow", seed=1, version=f"bench-{detector}-shadow")
+    return [(name, model, None), (f"{name} + shadow", model, shadow)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=50_000)
@@ -327,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--max-poll-records", type=int, default=500)
+    parser.add_argument(
+        "--shadow",
+        action="store_true",
+        help="also bench each model with a shadow challenger: an untrained default-size detector of its type",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="a serve setting (repeatable)")
     parser.add_argument(
@@ -358,12 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     with project_broker() as bootstrap, tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
         models = {name: build_default_model(name, Path(tmp)) for name in detectors}
         models |= {f"{loaded.name} {uri}": loaded for uri, loaded in trained.items()}
-        for name, model in models.items():
+        runs = [(name, model, None) for name, model in models.items()]
+        if args.shadow:  # each model's row, then its row with a shadow beside it
+            runs = [run for name, model, _ in runs for run in _with_shadow(name, model, Path(tmp))]
+        for name, model, shadow in runs:
             print(log_prefix, f"{name}: {args.events} events on {bootstrap} ...", flush=True)
             results[name] = run_stream_bench(
                 model, bootstrap, events=args.events, partitions=args.partitions,
                 max_poll_records=args.max_poll_records, core=core, settings=settings,
-                phase_logs=_phase_log_stem(args.phase_log, name),
+                phase_logs=_phase_log_stem(args.phase_log, name), shadow=shadow,
             )  # fmt: skip
             print(log_prefix, json.dumps(results[name], default=float), flush=True)
     print(format_table(results))

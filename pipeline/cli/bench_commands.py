@@ -27,6 +27,7 @@ def run_bench(args: argparse.Namespace) -> int:
         argv += [f"--model={uri}" for uri in args.model or []]
         argv += [f"--set={item}" for item in args.set or []]
         argv += ["--phase-log", str(args.phase_log)] if args.phase_log else []
+        argv += ["--shadow"] if args.shadow else []
         return run_stream_bench(argv)
     elif args.bench == "replay":
         from pipeline.bench.features import run_replay_bench
@@ -110,6 +111,11 @@ def add_bench_commands(sub) -> argparse._SubParsersAction:
         type=Path,
         metavar="DIR",
         help="write each service run's per-batch log (events, phase and commit seconds) into DIR",
+    )
+    b.add_argument(
+        "--shadow",
+        action="store_true",
+        help="also bench each model with a shadow challenger (an untrained detector of its type), a row each",
     )
     b.set_defaults(run=run_bench)
     b = bench.add_parser("replay", help="history replayed through the live scorer (the backtest path)")

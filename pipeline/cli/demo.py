@@ -4,11 +4,14 @@
 2. generate a dataset with known fraud;
 3. train the three sequence detectors (quick CPU profile) and the four per-event baselines, tracked and
    registered in a local MLflow store;
-4. promote the sequence detector with the best validation AP to `champion`, print the comparison table;
-5. start `txsentinel serve` with the champion and wait for its /readyz, stream the test period's
-   transactions (and their labels, on their own topic) through Kafka at a steady rate, and show live
-   progress;
-6. summarise: events scored, alerts, precision of the alerts against the known labels, latency, and where
+4. promote the sequence detector with the best validation AP to `champion` and the second best to
+   `challenger`, print the comparison table;
+5. start `txsentinel serve` with the champion and the challenger in shadow (both warm from the history) and
+   wait for its /readyz, stream the test period's transactions (and their labels, on their own topic)
+   through Kafka at a steady rate, and show live progress;
+6. on the running service (demo_live.py): the two models compared on the live stream, three alerts with
+   their reasons, one monitor check;
+7. summarise: events scored, alerts, precision of the alerts against the known labels, latency, and where
    to look next. Everything started is stopped at the end, also on Ctrl-C.
 """
 
@@ -37,8 +40,10 @@ from consumers.runtime.settings import ServeConfig, load_serve_config
 from consumers.scoring.messages import Label, Transaction, encode_label, encode_transaction
 from consumers.scoring.scorer import Scorer
 from consumers.service.loop import ensure_topics
+from consumers.service.shadow import ensure_shadow_topics, shadow_changelog
 from pipeline.bench.broker import project_broker
 from pipeline.cli.commands import run_generate
+from pipeline.cli.demo_live import print_alerts, print_live_comparison, print_monitor
 from pipeline.data.dataset import TRANSACTIONS_FILE, read_dataset, read_metadata
 from pipeline.data.generate import GenerateConfig
 from pipeline.evaluation.compare import compare
@@ -103,11 +108,16 @@ def _train_all(cfg: DemoConfig, data_dir: Path, events_per_day: float) -> list[T
     return results
 
 
-def _promote_best(results: list[TrainResult]) -> str:
+def _promote_best(results: list[TrainResult]) -> tuple[str, str | None]:
+    """The best sequence detector by validation AP to `champion`, the second best to `challenger` (None
+    when only one was trained); returns their names."""
     sequence = [r for r in results if r.model in SEQUENCE_MODELS]
-    best = max(sequence, key=lambda r: r.metrics.get("val/ap", 0.0))
-    promote("champion", "txsentinel", run_id=best.run_id)
-    return best.model
+    ranked = sorted(sequence, key=lambda r: r.metrics.get("val/ap", 0.0), reverse=True)
+    promote("champion", "txsentinel", run_id=ranked[0].run_id)
+    if len(ranked) < 2:
+        return ranked[0].model, None
+    promote("challenger", "txsentinel", run_id=ranked[1].run_id)
+    return ranked[0].model, ranked[1].model
 
 
 def _serve_config(prefix: str) -> ServeConfig:
@@ -126,31 +136,39 @@ def _prepare_topics(bootstrap: str, prefix: str) -> None:
         admin.close()
 
 
-def _seed_states(bootstrap: str, prefix: str, history: pl.DataFrame) -> int:
-    """Warm start: the champion replays the history before the stream (the same Scorer the service runs)
-    and each account's state goes to the changelog partition its transactions will use, so the service
-    restores it on assignment, as if it had scored that history itself. Terminal state is not seeded."""
-    scorer = Scorer(load_model("models:/txsentinel@champion"))
+def _seed_states(bootstrap: str, prefix: str, history: pl.DataFrame, shadow: bool) -> int:
+    """Warm start: the champion (and, with `shadow`, the challenger beside it) replays the history before the
+    stream (the same Scorer the service runs) and each account's state goes to the changelog partition its
+    transactions will use, the challenger's to its own changelog, so the service restores both on
+    assignment, as if it had scored that history itself. Terminal state is not seeded."""
+    challenger = load_model("models:/txsentinel@challenger") if shadow else None
+    scorer = Scorer(load_model("models:/txsentinel@champion"), shadow=challenger)
     scorer.replay(history)
-    changelog = _serve_config(prefix).topic("changelog")
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
-    partitions = sorted(producer.partitions_for(changelog))
+    serve_cfg = _serve_config(prefix)
     accounts = history["account_id"].unique().to_list()
-    for account, state in zip(accounts, scorer.account_states_bytes(accounts), strict=True):
-        key = account.encode()
-        producer.send(
-            changelog,
-            key=key,
-            value=state,
-            # Kafka's default partitioner, as the producer of `transactions` applies it to the same key.
-            partition=partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)],
-        )
+    records = {serve_cfg.topic("changelog"): scorer.account_states_bytes(accounts)}
+    if scorer.shadow is not None:
+        changelog = shadow_changelog(serve_cfg, scorer.shadow.model_fingerprint)
+        ensure_shadow_topics(serve_cfg, bootstrap, changelog, serve_cfg.transactions_partitions)
+        records[changelog] = scorer.shadow_states_bytes(accounts)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
+    for topic, states in records.items():
+        partitions = sorted(producer.partitions_for(topic))
+        for account, state in zip(accounts, states, strict=True):
+            key = account.encode()
+            producer.send(
+                topic,
+                key=key,
+                value=state,
+                # Kafka's default partitioner, as the producer of `transactions` applies it to the same key.
+                partition=partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)],
+            )
     producer.flush()
     producer.close()
     return len(accounts)
 
 
-def _serve_process(bootstrap: str, prefix: str, env: dict, log, port: int) -> subprocess.Popen:
+def _serve_process(bootstrap: str, prefix: str, env: dict, log, port: int, shadow: bool) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -168,6 +186,7 @@ def _serve_process(bootstrap: str, prefix: str, env: dict, log, port: int) -> su
         "transactions_partitions=3",
         "--set",
         f"metrics_port={port}",  # /readyz says when it serves; /metrics is there to look at
+        *(["--shadow", "models:/txsentinel@challenger"] if shadow else []),
     ]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -302,9 +321,9 @@ def run_demo(cfg: DemoConfig) -> int:
             frame = read_dataset(data_dir)
             results = _train_all(cfg, data_dir, frame.height / cfg.days)
 
-            _stage("promote the best sequence detector by validation AP")
-            champion = _promote_best(results)
-            print(f"champion: {champion}")
+            _stage("promote the best sequence detector by validation AP, the second best as challenger")
+            champion, challenger = _promote_best(results)
+            print(f"champion: {champion}; challenger: {challenger or 'none (one sequence detector)'}")
 
             _stage("compare")
             compare(out=cfg.workdir / "comparison", data=data_dir)
@@ -316,21 +335,32 @@ def run_demo(cfg: DemoConfig) -> int:
             labels = frame.filter(pl.col("is_fraud") & (pl.col("label_ts") >= stream_start)).sort("label_ts")
 
             prefix = f"demo-{cfg.run_id}-"
-            _stage(
-                f"warm start: the champion replays {history.height:,} past events into the state changelog"
-            )
+            shadow = challenger is not None
+            both = "the champion and the challenger replay" if shadow else "the champion replays"
+            _stage(f"warm start: {both} {history.height:,} past events into their state changelogs")
             _prepare_topics(bootstrap, prefix)
-            print(f"{_seed_states(bootstrap, prefix, history):,} account states seeded")
+            print(f"{_seed_states(bootstrap, prefix, history, shadow):,} account states seeded")
 
             _stage(
-                f"serve the champion and stream {live.height:,} transactions at {cfg.stream_events_per_s:,.0f}/s"
+                f"serve the champion{' with the challenger in shadow' if shadow else ''} and stream "
+                f"{live.height:,} transactions at {cfg.stream_events_per_s:,.0f}/s"
             )
             service_log = open(cfg.workdir / "serve.log", "w")  # noqa: SIM115 (closed after the service)
             port = free_port()
-            service = _serve_process(bootstrap, prefix, dict(os.environ), service_log, port)
+            service = _serve_process(bootstrap, prefix, dict(os.environ), service_log, port, shadow)
             _wait_until_serving(service, port, cfg.workdir / "serve.log", 180)
             streamed = _stream(cfg, bootstrap, prefix, live, labels)
             summary = _summary(live, streamed)
+
+            serve_cfg = _serve_config(prefix)
+            if shadow:
+                _stage("champion and shadow challenger on the live stream (txsentinel compare --live)")
+                print_live_comparison(serve_cfg, bootstrap, champion, challenger)
+            _stage("alerts and their reasons")
+            truth = dict(zip(live["event_id"].to_list(), live["is_fraud"].to_list(), strict=True))
+            print_alerts(serve_cfg, bootstrap, truth)
+            _stage("drift, alert rate and state health of the running service (txsentinel monitor)")
+            print_monitor(serve_cfg, bootstrap, port)
         finally:
             if service is not None:
                 service.send_signal(signal.SIGTERM)  # finishes the batch in flight, commits, exits 0

@@ -41,3 +41,23 @@ def test_table_has_a_row_a_model_with_both_latencies_at_half_rate():
     assert row[:2] == name.split() and row[2:6] == ["9840", "14753", "-20%", "66.7%"]
     assert row[6:13] == ["4920", "41", "/", "118", "24", "/", "240"] and row[13:] == ["120", "68%"]
     assert len({len(line) for line in lines}) == 1  # the long name widened the column for every row
+
+
+def test_shadow_rows_pair_each_model_with_an_untrained_shadow_of_its_type_it_can_serve(tmp_path):
+    import torch
+
+    from consumers.scoring.shadow import ShadowModel
+    from pipeline.bench.stream import _with_shadow
+    from pipeline.bench.stream_models import build_default_model
+    from pipeline.registry.tracking import load_model
+
+    served = build_default_model("lstm", tmp_path)
+    alone, shadowed = _with_shadow("lstm", served, tmp_path)
+    assert alone == ("lstm", served, None)
+    name, model, shadow = shadowed
+    assert (name, model) == ("lstm + shadow", served)
+    champion, challenger = load_model(served), load_model(shadow)
+    assert challenger.detector.name == "lstm" and challenger.meta["model_version"] == "bench-lstm-shadow"
+    ShadowModel(challenger, champion.spec)  # the service takes it as a shadow: same features
+    weights = [next(m.detector.parameters()) for m in (champion, challenger)]
+    assert not torch.equal(*weights)  # another model, not a copy of the served one
