@@ -137,6 +137,11 @@ def read_layers(
     `from_file` (the settings read from the file `file_name`). Settings none of them sets are left out: the
     dataclass's defaults. Refuses a secret outside the environment; unknown names are the caller's to refuse."""
     model = settings_model(config_cls)
+    # A secret left null (as a printed config or a copied ServeConfig writes it) sets nothing: no refusal,
+    # and no null over a secret the environment gives.
+    flags, from_file = (
+        {k: v for k, v in layer.items() if not (k in secrets and v is None)} for layer in (flags, from_file)
+    )
     for where, given in ((file_name, from_file), ("the command line", flags)):
         held = sorted(set(given) & set(secrets))
         if held:

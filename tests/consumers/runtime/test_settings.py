@@ -177,6 +177,9 @@ def test_a_secret_comes_from_its_variable_or_the_file_it_names_and_never_from_a_
         load_serve_config(path, env={})
     with pytest.raises(ValueError, match="the command line holds the secret kafka_ssl_password"):
         load_serve_config(None, parse_settings(["kafka_ssl_password=hunter2"]), env={})
+    # A null secret (every setting of a config copied as overrides) sets nothing and hides no variable.
+    copied = load_serve_config(None, {"kafka_sasl_password": None, "group_id": "g"}, env=env)
+    assert copied.kafka_security["sasl_plain_password"] == "hunter2"
 
 
 def test_the_printed_settings_mask_secrets_say_where_each_came_from_and_read_back_as_a_file(tmp_path):
