@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import jsonschema
 import polars as pl
 import pytest
 
+from consumers.runtime.metrics import free_port
 from consumers.scoring.messages import encode_transaction, transactions_from_frame
 from pipeline.data.generate import GenerateConfig, generate
 from tests.integration.service_helpers import produce, read_committed, save_tiny_model
@@ -99,34 +102,40 @@ def installed(venv: Path) -> set[str]:
     return set(out.stdout.split())
 
 
+def readyz(port: int) -> int | None:
+    """The status of /readyz, or None while nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None
+
+
 def test_the_wheel_serves_from_a_fresh_environment_without_the_checkout(venv, kafka_bootstrap, tmp_path):
     assert not set(LEAN) & installed(venv), "the [serve] extra brought training packages"
     frame = generate(GenerateConfig(accounts=20, days=10, seed=3))
     model = save_tiny_model(frame, fit_days=10, out=tmp_path / "model", version="7")
     prefix = f"wheel-{uuid.uuid4().hex[:8]}-"
+    port = free_port()
+    # As a deployment sets it: every setting from TXS_ variables, none on the command line.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(
+        TXS_MODEL_URI=model,
+        TXS_BOOTSTRAP_SERVERS=kafka_bootstrap,
+        TXS_TOPIC_PREFIX=prefix,
+        TXS_GROUP_ID=f"{prefix}group",
+        TXS_POLL_TIMEOUT_MS="200",
+        TXS_METRICS_PORT=str(port),
+    )
     log = tmp_path / "serve.log"
-    command = [
-        str(venv / "bin" / "txsentinel"),
-        "serve",
-        "--model",
-        model,
-        "--bootstrap-servers",
-        kafka_bootstrap,
-    ]
-    command += [
-        "--set",
-        f"topic_prefix={prefix}",
-        "--set",
-        f"group_id={prefix}group",
-        "--set",
-        "poll_timeout_ms=200",
-    ]
+    command = [str(venv / "bin" / "txsentinel"), "serve"]
     with log.open("w") as sink:
         service = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
-        while "restore done" not in log.read_text():
+        while readyz(port) != 200:  # 503 (or no answer yet) until its partitions are restored
             assert service.poll() is None, f"serve exited {service.returncode}:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"serve not ready within 300 s:\n{log.read_text()[-3000:]}"
             time.sleep(0.5)
