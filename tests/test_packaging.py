@@ -192,3 +192,32 @@ def test_the_wheel_trains_and_backtests_from_a_fresh_environment(venv, tmp_path)
         venv, "backtest", "--data", "data", "--model", model, "--no-mlflow", "--out", "report", cwd=tmp_path
     )
     assert (tmp_path / "report").is_dir(), done.stdout
+    # The MLflow model, logged and loaded with the installed package only: raw transactions in, the scores
+    # the backtest's replay gives out.
+    script = """
+import sys, mlflow, numpy as np, polars as pl
+from pathlib import Path
+import pipeline
+from consumers.scoring.scorer import Scorer
+from pipeline.data.dataset import read_dataset
+from pipeline.registry.pyfunc_model import log_and_register
+from pipeline.registry.tracking import load_model
+assert "site-packages" in pipeline.__file__, pipeline.__file__
+uri, version = log_and_register(Path(sys.argv[1]), "wheel-model")
+frame = read_dataset("data")
+naive = frame.with_columns(pl.col("ts", "label_ts").dt.replace_time_zone(None)).to_pandas()
+predicted = mlflow.pyfunc.load_model(f"models:/wheel-model/{version}").predict(naive)
+replayed = Scorer(load_model(sys.argv[1])).replay(frame)
+expected = dict(zip(replayed["event_id"], replayed["score"]))
+worst = max(abs(s - expected[e]) for e, s in zip(predicted["event_id"], predicted["score"]))
+assert len(predicted) == frame.height and worst < 1e-5, worst
+print("pyfunc equals the replay to", worst)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", script, model],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pyfunc equals the replay" in done.stdout
