@@ -45,7 +45,7 @@ def test_config_travels_as_a_dict_and_rebuilds_the_same_detector(name):
 def test_mistakes_raise_errors_that_say_what_to_do():
     with pytest.raises(
         ValueError,
-        match=r"unknown detector 'gru'; known detectors: \['linear_transformer', 'lstm', 'transformer'\]",
+        match=r"unknown detector 'gru'; known detectors: \['hybrid', 'linear_transformer', 'lstm', 'transformer'\]",
     ):
         build_detector("gru")
     with pytest.raises(ValueError, match=r"no field\(s\) \['window_events'\]"):
