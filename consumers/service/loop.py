@@ -128,6 +128,7 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.instance_tag = uuid.uuid4().hex[:12]  # + the restore count: this instance's delta session
         self.terminal_restores = 0
         self.writer: TerminalTableWriter | None = None  # built in start(); runs while partition 0 is ours
+        self.closing = False
         self.pipeline: TransactionPipeline | None = None  # the producer, committing in the background
         self.bootstrap = self.transactional_id = ""  # set by start()
         self.failures = 0  # batches aborted in a row (commit refusals by the group aside)
@@ -318,9 +319,12 @@ class _Service(Restore, Transactions, Bookkeeping):
         return {}
 
     def close(self) -> None:
+        self.closing = True  # a rebalance callback from here on starts no table writer (restore.py)
         parts = (
             ("table writer", self.writer, lambda w: w.stop()),  # drains and flushes first
             ("consumer", self.consumer, lambda c: c.close(autocommit=False)),
+            # Callbacks run on kafka-python's network thread: one that raced the flag above is stopped here.
+            ("table writer", self.writer, lambda w: w.stop()),
             ("producer", self.producer, lambda p: p.close(timeout=10)),
             ("committer", self.pipeline, lambda p: p.close()),
             ("restore consumers", self.restorer, lambda r: r.close()),

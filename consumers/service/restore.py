@@ -302,7 +302,7 @@ class Restore:
         it runs on its own (terminal_table_writer: external)."""
         if 0 not in partitions or self.cfg.terminal_table_writer != "embedded":
             return
-        if assigned and not self.writer.running:
+        if assigned and not self.writer.running and not self.closing:
             self.writer.start()
         elif not assigned:
             self.writer.stop()

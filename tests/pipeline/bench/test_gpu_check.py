@@ -7,7 +7,7 @@ from pipeline.bench.gpu_check import main
 
 def test_gpu_check_runs_small_on_cpu_and_reports_parity(capsys):
     results = main(["--device", "cpu", "--quick"])
-    assert set(results) == {"lstm", "transformer", "linear_transformer"}
+    assert set(results) == {"lstm", "transformer", "linear_transformer", "hybrid"}  # every registered one
     for name, r in results.items():
         assert r["step_vs_forward"] < 1e-4, name
         assert r["chunked_vs_whole"] < 1e-4, name
