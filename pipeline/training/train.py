@@ -17,7 +17,6 @@ from typing import Any
 
 import mlflow
 import numpy as np
-import polars as pl
 import pytorch_lightning as pl_lightning
 import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
@@ -25,17 +24,14 @@ from pytorch_lightning.loggers import MLFlowLogger
 
 from models.hybrid import HybridDetector
 from models.registry import REGISTRY, build_detector, config_class
-from pipeline.data.dataset import read_dataset
-from pipeline.data.splits import Period, Split, dataset_days
+from pipeline.data.splits import Period, Split
 from pipeline.evaluation.plots import log_evaluation
-from pipeline.evaluation.protocol import detection_metrics, scenario_metrics
-from pipeline.features import compute_features, fit_feature_spec
 from pipeline.features.drift_reference import fit_reference
 from pipeline.registry.artifact import save_model_dir
 from pipeline.registry.pyfunc_model import log_and_register
 from pipeline.registry.tracking import configure_tracking, log_params
 from pipeline.training.baselines import BASELINES, train_baseline
-from pipeline.training.config import TrainConfig, TrainResult, flatten, resolve_split
+from pipeline.training.config import TrainConfig, TrainResult, flatten
 from pipeline.training.datamodule import HistoryDataModule, Window
 from pipeline.training.diagnostics import (
     parallel_vs_recurrent_error,
@@ -44,14 +40,11 @@ from pipeline.training.diagnostics import (
 )
 from pipeline.training.hybrid_head import fit_hybrid
 from pipeline.training.module import DetectorModule
-from pipeline.training.sequences import AccountSequences, build_sequences
+from pipeline.training.prepared import prepare, scored_events
+from pipeline.training.sequences import AccountSequences
 from pipeline.training.thresholds import Threshold, choose_threshold
 
 log = logging.getLogger(__name__)
-
-
-def _us(moment) -> int:
-    return int(moment.timestamp() * 1_000_000)
 
 
 def _pos_weight(seqs: AccountSequences, window: Window, given: float | None) -> float:
@@ -130,19 +123,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {sorted(REGISTRY) + sorted(BASELINES)}")
     started = time.perf_counter()
     pl_lightning.seed_everything(cfg.seed, workers=True, verbose=False)
-    frame = read_dataset(cfg.data)
-    split, validation = resolve_split(cfg, dataset_days(frame))
-    features = compute_features(frame.filter(pl.col("ts") < split.test.end))
-    spec = fit_feature_spec(features, split.train.start, split.train.end)
-
-    # Training sees labels known at the cutoff only; the test is scored against the truth.
-    train_seqs = build_sequences(features.filter(pl.col("ts") < split.train.end), spec, split.label_cutoff)
-    test_seqs = build_sequences(features, spec, label_cutoff=None)
-    windows = {
-        "train": Window(_us(split.train.start), _us(validation.start)),
-        "validation": Window(_us(validation.start), _us(split.train.end)),
-        "test": Window(_us(split.test.start), _us(split.test.end)),
-    }
+    ready = prepare(cfg)
+    split, validation, spec = ready.split, ready.validation, ready.spec
+    train_seqs, test_seqs, windows = ready.train_seqs, ready.test_seqs, ready.windows
     data = HistoryDataModule(
         train=(train_seqs, windows["train"]),
         validation=(train_seqs, windows["validation"]),
@@ -190,10 +173,9 @@ def train(cfg: TrainConfig) -> TrainResult:
             return TrainResult(run_id, cfg.model, "", -1)
 
         detector = module.detector.cpu().eval()
-        scored = _scored_events(test_seqs, module.scores["test"])
-        metrics = detection_metrics(scored, frame, split.test, cfg.cp_k, cfg.delay_days)
-        results = metrics.as_dict()
-        results.update(scenario_metrics(scored, frame))
+        scored = scored_events(test_seqs, module.scores["test"])
+        metrics, scenarios = ready.test_metrics(module.scores["test"], cfg.cp_k, cfg.delay_days)
+        results = {**metrics.as_dict(), **scenarios}
         results["test/parallel_vs_recurrent_max_abs"] = parallel_vs_recurrent_error(detector, test_seqs)
         results["model/state_bytes_per_account"] = float(state_bytes_per_account(detector))
         results["model/step_us_per_event"] = step_cost_us_per_event(detector)
@@ -241,18 +223,3 @@ def _threshold(val_logits: np.ndarray, seqs: AccountSequences, budget_per_day: f
 def _score_reference(val_logits: np.ndarray) -> dict[str, list[float]]:
     scored = val_logits[~np.isnan(val_logits)].astype(np.float64)
     return fit_reference(1.0 / (1.0 + np.exp(-scored)))  # on the probability, as the scores topic has it
-
-
-def _scored_events(seqs: AccountSequences, scores: np.ndarray) -> pl.DataFrame:
-    """Events that were scored (in the test window), with what the metrics need."""
-    scored = ~np.isnan(scores)
-    owner = np.repeat(seqs.account_ids, seqs.lengths)
-    return pl.DataFrame(
-        {
-            "event_id": seqs.event_ids[scored],
-            "account_id": owner[scored],
-            "ts": pl.Series(seqs.ts_us[scored]).cast(pl.Datetime("us", "UTC")),
-            "score": scores[scored].astype(np.float64),
-            "is_fraud": seqs.is_fraud[scored],
-        }
-    )
