@@ -8,6 +8,7 @@ import mlflow
 import numpy as np
 import polars as pl
 import pytest
+import torch
 
 from pipeline.cli.commands import run_generate
 from pipeline.data.generate import GenerateConfig
@@ -124,6 +125,13 @@ def test_hybrid_trains_its_base_then_its_trees_and_registers_one_model(tracking)
     assert model.name == "hybrid" and bool(model.detector.fitted)
     assert model.detector.base.name == "lstm" and model.detector.config.trees >= 1
     assert mlflow.get_run(result.run_id).data.tags["detector"] == "hybrid"
+    # The trees are monotone in the base score: a surer base never lowers the hybrid's score.
+    head, features = model.detector.head, model.detector.config.num_features
+    rows = torch.randn(64, 1, features + 1).repeat(1, 41, 1)  # [64 events, 41 base scores, F + 1]
+    rows[..., -1] = torch.linspace(-10.0, 10.0, 41)
+    with torch.no_grad():
+        by_score = head(rows.reshape(-1, features + 1)).reshape(64, 41)
+    assert bool((by_score.diff(dim=1) >= 0).all())
     with pytest.raises(ValueError, match="hybrid_base"):
         config(tracking, "hybrid", "hybrid_base=hybrid")
 
