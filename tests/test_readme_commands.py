@@ -44,6 +44,7 @@ COVERED_ELSEWHERE = {
     "uv export": ("tests/test_packaging.py", '"export",'),
     "uv venv": ("tests/test_packaging.py", 'uv("venv"'),
     "txsentinel bench restore": ("tests/pipeline/bench/test_restore.py", '"bench", "restore"'),
+    "txsentinel bench trees": ("tests/pipeline/bench/test_tree_head.py", '"bench", "trees"'),
     "txsentinel monitor": ("tests/integration/test_monitor.py", '"monitor", f"--metrics-url'),
 }
 

@@ -64,6 +64,10 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         with project_broker() as bootstrap:
             print(format_table(run_restore_bench(cfg, bootstrap)))
+    elif args.bench == "trees":
+        from pipeline.bench.tree_head import print_tree_table, run_tree_bench
+
+        print_tree_table(run_tree_bench(args.data, args.model, args.test_days))
     elif args.bench == "reasons":
         from pipeline.bench.reasons import run_reasons_bench
 
@@ -158,6 +162,13 @@ def add_bench_commands(sub) -> argparse._SubParsersAction:
     )
     b.add_argument("--alert-share", type=float, default=0.01, help="share of events alerted in the cost run")
     b.add_argument("--batch-events", type=int, default=500)
+    b.set_defaults(run=run_bench)
+    b = bench.add_parser("trees", help="the hybrid's tree recipes over one trained detector's scores")
+    b.add_argument("--data", type=Path, required=True, help="the dataset the detector was trained on")
+    b.add_argument(
+        "--model", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model or a dir"
+    )
+    b.add_argument("--test-days", type=int, default=7, help="the test week's days, as it was trained (7)")
     b.set_defaults(run=run_bench)
     b = bench.add_parser("models", help="detector training/serving cost, state size, step time vs history")
     b.add_argument("models", nargs="*", help="detectors to bench (default: all)")
