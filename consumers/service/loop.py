@@ -276,7 +276,8 @@ class _Service(Restore, Transactions, Bookkeeping):
         batch = committed.batch  # a line per batch when DEBUG is on: where each partition's input stands
         log.debug(
             "batch committed seq=%d events=%d offsets=%s commit_seconds=%.3f", batch.seq, batch.events,
-            {tp.partition: o.offset for tp, o in batch.offsets.items()}, committed.seconds,
+            {tp.partition: f"{rs[0].offset}-{rs[-1].offset}" for tp, rs in batch.polled.items() if rs},
+            committed.seconds,
         )  # fmt: skip
         try:
             self._count(committed)

@@ -179,7 +179,10 @@ RELEVANT = (
     ":consumers.", "joined group", "Cooperative rebalance complete", "Revoking", "Leaving consumer group",
     "rebalancing", "not recognized", "session expired", "Bumping producer epoch", "WARNING:", "ERROR:",
 )  # fmt: skip
-NOISE = ("group_id is None", "ran for", "Metadata refresh", "Fetch to node", "heartbeat_interval_ms is high")
+NOISE = (
+    "group_id is None", "ran for", "Metadata refresh", "Fetch to node", "heartbeat_interval_ms is high",
+    "DEBUG:consumers.service.stats", "DEBUG:consumers.terminals", "batch committed seq=",
+)  # fmt: skip
 
 
 def relevant_lines(lines, last: int = 60) -> list[str]:

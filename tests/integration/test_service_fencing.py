@@ -167,7 +167,14 @@ def failure_report(
                 f"  {tp.partition}: end={ends[tp]} committed={at and at.offset} scores={scores[tp.partition]}"
             )
         out.append(f"  group {cfg.group_id}: {group(bootstrap, cfg.group_id)}")
+        scored_ids = {json.loads(r.value)["event_id"] for r in read_committed(bootstrap, cfg.topic("scores"))}
+        missing: dict[int, list[int]] = {}
+        for record in read_committed(bootstrap, topic):
+            if json.loads(record.value)["event_id"] not in scored_ids:
+                missing.setdefault(record.partition, []).append(record.offset)
+        out.append(f"  offsets of {topic} with no committed score: {missing or 'none'}")
     except Exception as error:  # the report must not hide the failure
+        missing = {}
         out.append(f"  (could not read them: {error!r})")
     if b is not None:
         b.stop_event.set()
@@ -189,6 +196,12 @@ def failure_report(
     a_log = log_path.read_text(errors="replace")
     out.append(f"=== A's log (alive: {a.poll() is None}; the last 60 lines of the same kinds)")
     out.extend(relevant_lines(a_log[:size].splitlines()))
+    for p in sorted(missing):  # the batches either instance committed from that partition
+        out.append(f"=== batches committed from partition {p} (B's, then A's)")
+        out.extend(ln[:300] for ln in b_log.lines if "batch committed" in ln and f"{p}: '" in ln)
+        out.extend(
+            ln[:300] for ln in a_log[:size].splitlines() if "batch committed" in ln and f"{p}: '" in ln
+        )
     out.append("=== A's threads")
     out.append(a_log[size:][-8000:])
     return "\n".join(out)
