@@ -157,6 +157,7 @@ class TransactionPipeline:
                 "this member has left the group (generation -1): its batch is aborted, and it rejoins"
             )
         self.step = "send_offsets_to_transaction"
+        _forget_refused_offsets(self.producer)
         self.producer.send_offsets_to_transaction(offsets, group_metadata)
         self.step = "commit_transaction"
         self.producer.commit_transaction()
@@ -229,6 +230,23 @@ class TransactionPipeline:
         self.committer.join(timeout=0 if self.stuck else self.commit_timeout_s)
         if self.committer.is_alive():
             log.warning("committer thread left behind, stuck in %s", self.step)
+
+
+def _forget_refused_offsets(producer) -> None:
+    """Drop the offsets an earlier transaction's refused TxnOffsetCommit left in the producer.
+
+    kafka-python 3.0.12 keeps a partition's offset in TransactionManager._pending_txn_offset_commits until the
+    group accepts it, also after the group refused it (a generation that moved on, a member it no longer knows)
+    and the transaction was aborted, and sends it again with the next transaction's offsets: the aborted batch's
+    offsets then commit with the next batch, and its events are never scored. This runs before a transaction
+    joins its offsets, when none of its own are pending yet.
+    """
+    manager = getattr(producer, "_transaction_manager", None)
+    pending = getattr(manager, "_pending_txn_offset_commits", None)
+    if pending:
+        with manager._lock:
+            log.info("dropping offsets a refused commit left in the producer offsets=%s", dict(pending))
+            pending.clear()
 
 
 def _failed_record(batch: ScoredBatch, errors: tuple = ()) -> str | None:

@@ -27,7 +27,8 @@ import numpy as np
 import polars as pl
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-from kafka.structs import OffsetAndMetadata, TopicPartition
+from kafka.errors import CommitFailedError
+from kafka.structs import ConsumerGroupMetadata, OffsetAndMetadata, TopicPartition
 
 from consumers.scoring.account_state import decode_account_record
 from consumers.scoring.messages import Transaction, encode_transaction, transactions_from_frame
@@ -332,3 +333,40 @@ def test_a_commit_whose_transaction_the_broker_aborted_meanwhile_is_never_taken_
         producer.close(timeout=0)
         pipeline.close()
     assert read_committed(kafka_bootstrap, topic) == [], "records of a transaction taken for broken landed"
+
+
+@pytest.mark.timeout(120)
+def test_the_offsets_of_a_batch_the_group_refused_never_commit_with_the_next_batch(
+    kafka_bootstrap, topic_factory
+):
+    # kafka-python 3.0.12 keeps the offsets of a refused TxnOffsetCommit after the abort and sent them with the
+    # next transaction's: the refused batch's offsets committed without its scores (events lost under load, when
+    # a rebalance moved the generation on during a commit).
+    topic = topic_factory("refused-offsets", partitions=2)
+    group_id, p0, p1 = f"group-{topic}", TopicPartition(topic, 0), TopicPartition(topic, 1)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"refused-{topic}")
+    producer.init_transactions()
+    pipeline = TransactionPipeline(producer, commit_timeout_s=60)
+    try:
+        refused = ScoredBatch({}, seq=1, records=[(topic, None, b"a", 0)])
+        refused.offsets = {p0: OffsetAndMetadata(10, "", -1)}
+        pipeline.publish(refused, ConsumerGroupMetadata(group_id, generation_id=5, member_id="gone"))
+        with pytest.raises(CommitFailedError):
+            pipeline.settle()
+        pipeline.take_failed()
+        pipeline.abort()
+        following = ScoredBatch({}, seq=2, records=[(topic, None, b"b", 1)])
+        following.offsets = {p1: OffsetAndMetadata(7, "", -1)}
+        pipeline.publish(following, group_id)
+        assert pipeline.settle() is not None
+    finally:
+        producer.close(timeout=5)
+        pipeline.close()
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        committed = admin.list_group_offsets({group_id: [p0, p1]})[group_id]
+    finally:
+        admin.close()
+    never = committed.get(p0, OffsetAndMetadata(-1, "", -1)).offset
+    assert never == -1, f"the refused batch's offset committed with the next batch: {committed}"
+    assert committed[p1].offset == 7
