@@ -18,18 +18,40 @@ The order that keeps this exactly once with ONE transactional producer:
   offsets, which are batch k's first records.
 - A rebalance settles the batch in flight before partitions are revoked (service.on_revoked), so nothing is
   committed under a group generation that has moved on, and revocation leaves no transaction open.
+- A commit is waited for at most commit_timeout_s, and a batch with a record that did not land is never taken
+  for committed (BrokenTransaction says why): the producer is then replaced, as a fenced one is.
 """
 
 import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from kafka import KafkaProducer
-from kafka.errors import CommitFailedError, KafkaError
+from kafka.errors import (
+    CommitFailedError,
+    InvalidProducerEpochError,
+    KafkaError,
+    OutOfOrderSequenceNumberError,
+    UnknownProducerIdError,
+)
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 log = logging.getLogger(__name__)
+
+# A record failing with one of these makes kafka-python 3.0.12 bump the producer epoch inside the open transaction
+# (KIP-360), which ends it on the broker while the client goes on: its commit then waits forever for records it
+# no longer sends, or returns as if committed though nothing was. Seen when a frozen instance wakes (the broker
+# aborted its transaction meanwhile) and under load (a retried produce request out of sequence).
+EPOCH_BUMPING_ERRORS = (InvalidProducerEpochError, OutOfOrderSequenceNumberError, UnknownProducerIdError)
+SETTLE_CHECK_S = 0.1  # while a commit is pending, how often settle() looks at its records
+
+
+class BrokenTransaction(Exception):
+    """The producer cannot be trusted with another transaction: a record of the batch did not land, or its commit
+    did not return within commit_timeout_s. Nothing of the batch is taken for committed; replace the producer."""
+
 
 OutputRecord = tuple[str, bytes | None, bytes | None, int | None]  # (topic, key, value, partition or None)
 
@@ -75,14 +97,19 @@ class TransactionPipeline:
     """One transactional producer with at most one batch committing in the background.
 
     publish() begins a batch's transaction, sends its records and starts its commit on the committer thread;
-    settle() waits for that commit. A batch is published only after the previous one has settled.
+    settle() waits for that commit, at most `commit_timeout_s` after it began. A batch is published only after
+    the previous one has settled.
     """
 
-    def __init__(self, producer: KafkaProducer):
+    def __init__(self, producer: KafkaProducer, commit_timeout_s: float = 60.0):
         self.producer = producer
-        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txsentinel-commit")
+        self.commit_timeout_s = commit_timeout_s
         self.in_flight: tuple[ScoredBatch, Future] | None = None  # committing, or failed and not yet taken
         self.open = False  # a transaction has begun and is neither committed nor aborted
+        self.step = "idle"  # where the committer thread is: what a commit that does not return was doing
+        self.stuck = False  # a commit never returned: the committer thread is left behind with the producer
+        self.started_at = 0.0  # time.monotonic() when the batch in flight was handed to the committer
+        self.committer: threading.Thread | None = None  # the thread of the latest commit
 
     def publish(self, batch: ScoredBatch, group_metadata) -> None:
         if self.in_flight is not None:
@@ -95,8 +122,24 @@ class TransactionPipeline:
             producer.send(topic, key=key, value=value, partition=partition)
             for topic, key, value, partition in batch.records
         ]
-        future = self.committer.submit(self._commit, batch.offsets, group_metadata)
-        self.in_flight = (batch, future)
+        future: Future = Future()
+        self.in_flight, self.started_at = (batch, future), time.monotonic()
+        # A daemon thread per commit (~0.1 ms), not a ThreadPoolExecutor: a commit stuck inside kafka-python
+        # must not keep the process from exiting (the executor joins its workers at exit).
+        self.committer = threading.Thread(
+            target=self._run,
+            args=(future, batch.offsets, group_metadata),
+            name="txsentinel-commit",
+            daemon=True,
+        )
+        self.committer.start()
+
+    def _run(self, future: Future, offsets: dict, group_metadata) -> None:
+        try:
+            future.set_result(self._commit(offsets, group_metadata))
+        except BaseException as error:  # handed to settle(), which raises it where it is called
+            future.set_exception(error)
+        self.step = "idle"
 
     def _commit(self, offsets: dict, group_metadata) -> tuple[float, float]:
         # The committer thread. Commit order (one transaction, all or nothing):
@@ -113,7 +156,10 @@ class TransactionPipeline:
             raise CommitFailedError(
                 "this member has left the group (generation -1): its batch is aborted, and it rejoins"
             )
+        self.step = "send_offsets_to_transaction"
+        _forget_refused_offsets(self.producer)
         self.producer.send_offsets_to_transaction(offsets, group_metadata)
+        self.step = "commit_transaction"
         self.producer.commit_transaction()
         return time.time() * 1000.0, time.monotonic() - started
 
@@ -124,12 +170,40 @@ class TransactionPipeline:
     def settle(self) -> Committed | None:
         """Wait for the batch in flight, if any, and return it committed.
 
-        Raises what failed the commit; the batch then stays in flight for take_failed().
+        Raises what failed the commit, or BrokenTransaction: a record of the batch failed in a way that ends
+        the transaction under the client (EPOCH_BUMPING_ERRORS), the commit returned with a record not
+        written, or it did not return within commit_timeout_s. The batch then stays in flight for take_failed().
         """
         if self.in_flight is None:
             return None
         batch, future = self.in_flight
-        at_ms, seconds = future.result()
+        while not wait((future,), timeout=SETTLE_CHECK_S).done:
+            waited_s = time.monotonic() - self.started_at
+            bumped = _failed_record(batch, EPOCH_BUMPING_ERRORS)
+            if bumped is None and waited_s < self.commit_timeout_s:
+                continue
+            self.stuck = True
+            raise BrokenTransaction(
+                f"the commit of batch seq={batch.seq} has not returned after {waited_s:.1f} s "
+                f"(commit_timeout_s = {self.commit_timeout_s:.0f} s; the committer thread is in {self.step})"
+                + ("" if bumped is None else f", and its record to {bumped} failed: the client ended the "
+                   "transaction under its own commit (a producer epoch bump)")
+            )  # fmt: skip
+        try:
+            at_ms, seconds = future.result()
+        except Exception as error:
+            bumped = _failed_record(batch, EPOCH_BUMPING_ERRORS)
+            if bumped is not None:  # an abort would leave that record's batch-mates in the producer
+                raise BrokenTransaction(
+                    f"batch seq={batch.seq}: its record to {bumped} failed, then its commit: {error!r}"
+                ) from error
+            raise
+        lost = _failed_record(batch)
+        if lost is not None:
+            raise BrokenTransaction(
+                f"the commit of batch seq={batch.seq} returned, but its record to {lost} was not written: "
+                "the transaction did not commit it (a producer epoch bump ended the transaction)"
+            )
         self.in_flight, self.open = None, False
         return Committed(batch, at_ms, seconds)
 
@@ -150,4 +224,40 @@ class TransactionPipeline:
         self.open = False
 
     def close(self) -> None:
-        self.committer.shutdown(wait=True)
+        """Stop the committer thread; one stuck in a commit that never returns is left behind (a daemon)."""
+        if self.committer is None:
+            return
+        self.committer.join(timeout=0 if self.stuck else self.commit_timeout_s)
+        if self.committer.is_alive():
+            log.warning("committer thread left behind, stuck in %s", self.step)
+
+
+def _forget_refused_offsets(producer) -> None:
+    """Drop the offsets an earlier transaction's refused TxnOffsetCommit left in the producer.
+
+    kafka-python 3.0.12 keeps a partition's offset in TransactionManager._pending_txn_offset_commits until the
+    group accepts it, also after the group refused it (a generation that moved on, a member it no longer knows)
+    and the transaction was aborted, and sends it again with the next transaction's offsets: the aborted batch's
+    offsets then commit with the next batch, and its events are never scored. This runs before a transaction
+    joins its offsets, when none of its own are pending yet.
+    """
+    manager = getattr(producer, "_transaction_manager", None)
+    pending = getattr(manager, "_pending_txn_offset_commits", None)
+    if pending:
+        with manager._lock:
+            log.info("dropping offsets a refused commit left in the producer offsets=%s", dict(pending))
+            pending.clear()
+
+
+def _failed_record(batch: ScoredBatch, errors: tuple = ()) -> str | None:
+    """Where the first record of `batch` that failed (with one of `errors`, if given) or is not done went."""
+    for (topic, _, _, partition), sent in zip(batch.records, batch.sent, strict=False):
+        done = getattr(sent, "is_done", True)  # kafka-python's future of the send
+        failed = done and getattr(sent, "exception", None) is not None
+        if errors and not (failed and isinstance(sent.exception, errors)):
+            continue
+        if not errors and done and not failed:
+            continue
+        reason = "not acknowledged" if not done else repr(sent.exception)
+        return f"{topic} partition {partition} ({reason})"
+    return None

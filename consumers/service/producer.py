@@ -5,9 +5,10 @@ it in the order written where they happen, on the committer thread (consumers/se
 send the records -> send_offsets_to_transaction with the group's metadata (KIP-447 fences a zombie of an
 older generation) -> commit_transaction, which flushes the records and then writes the commit markers.
 
-A failed transaction is aborted (or, when the broker fenced the producer, the producer is replaced), every
-batch not committed is rewound (consumers/service/restore.py) and redelivered; a commit the group refuses
-makes the member rejoin; MAX_FAILED_BATCHES failures in a row stop the service.
+A failed transaction is aborted (or, when the broker fenced the producer or the transaction broke under the
+client, commit_pipeline.BrokenTransaction, the producer is replaced), every batch not committed is rewound
+(consumers/service/restore.py) and redelivered; a commit the group refuses makes the member rejoin;
+MAX_FAILED_BATCHES failures in a row stop the service.
 """
 
 import logging
@@ -17,12 +18,15 @@ from kafka import KafkaProducer
 from kafka.errors import CommitFailedError, ProducerFencedError
 from kafka.serializer import DefaultSerializer
 
-from consumers.service.commit_pipeline import TransactionPipeline
+from consumers.service.commit_pipeline import BrokenTransaction, TransactionPipeline
 
 log = logging.getLogger(__name__)
 
 KEYS = DefaultSerializer()  # account ids, str <-> UTF-8 (bytes pass through unchanged)
 MAX_FAILED_BATCHES = 3  # consecutive aborted batches before the service gives up (a bug, not a blip)
+# A commit still out this long after transaction_timeout_ms will not return: by then the broker has aborted a
+# transaction that was not committing, and kafka-python gives up on a request after 30 s (request_timeout_ms).
+COMMIT_GRACE_S = 30.0
 
 
 class Transactions:
@@ -48,21 +52,25 @@ class Transactions:
             **cfg.kafka_security,
         )
         self.producer.init_transactions()  # with a stable id: fences and aborts the predecessor's transaction
-        self.pipeline = TransactionPipeline(self.producer)
+        self.pipeline = TransactionPipeline(self.producer, cfg.transaction_timeout_ms / 1000 + COMMIT_GRACE_S)
         self.probes.done("producer")
 
-    def _renew_producer(self, error: ProducerFencedError) -> None:
-        """A fenced producer is dead for good: start another (its aborted batches are rewound by the caller).
+    def _renew_producer(self, error: Exception) -> None:
+        """A fenced producer is dead for good, and one whose transaction broke under it cannot be trusted: start
+        another (its aborted batches are rewound by the caller).
 
         The broker fences a transactional producer when one of its transactions outlives
         transaction_timeout_ms (e.g. across a broker outage: the broker aborts it and bumps the producer's
         epoch), or when another producer starts with the same transactional id (two instances sharing an
         instance_id). The first is routine; the second repeats, and MAX_FAILED_BATCHES stops the service.
         """
-        log.warning(
-            "producer fenced (%r): a transaction outlived transaction_timeout_ms (a broker outage?) or "
-            "another instance uses instance_id=%r; starting a new producer", error, self.cfg.instance_id,
-        )  # fmt: skip
+        if isinstance(error, BrokenTransaction):
+            log.warning("transaction broken (%s); starting a new producer", error)
+        else:
+            log.warning(
+                "producer fenced (%r): a transaction outlived transaction_timeout_ms (a broker outage?) or "
+                "another instance uses instance_id=%r; starting a new producer", error, self.cfg.instance_id,
+            )  # fmt: skip
         old_producer, old_pipeline = self.producer, self.pipeline
         for close in (lambda: old_producer.close(timeout=0), old_pipeline.close):
             try:
@@ -113,9 +121,9 @@ class Transactions:
             ) from error
 
     def _end_failed_transaction(self, error: Exception) -> None:
-        """Abort the failed batch's transaction and count it; a fenced producer is replaced instead (the fence
-        aborted its transaction, and it can do nothing more)."""
-        if isinstance(error, ProducerFencedError):
+        """Abort the failed batch's transaction and count it; a fenced or broken producer is replaced instead
+        (the broker aborts its transaction: at once when fenced, else after transaction_timeout_ms)."""
+        if isinstance(error, (ProducerFencedError, BrokenTransaction)):
             self._renew_producer(error)
         else:
             self.pipeline.abort()
@@ -129,7 +137,8 @@ class Transactions:
         except Exception as error:  # nothing of it committed: the group redelivers it to the next owner
             log.warning("last batch aborted on the way out error=%r", error)
             self.pipeline.take_failed()
-            self.pipeline.abort()
+            if not isinstance(error, BrokenTransaction):  # a broken one may never answer: the broker aborts
+                self.pipeline.abort()
 
 
 def _moved_on_with_us(then, now) -> bool:

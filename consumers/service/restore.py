@@ -136,6 +136,10 @@ class Restore:
                 raise
             self._seek(committed)
             self.consumer.resume(*tps)
+            log.info(
+                "partitions resumed partitions=%s from_offsets=%s",
+                partitions, {tp.partition: committed[tp] for tp in tps},
+            )  # fmt: skip
             self.to_restore.clear()
             self.to_seek -= set(partitions)
             self.assigned |= set(partitions)

@@ -4,9 +4,13 @@ model, a serve() running in a thread, and the exactly-once and parity assertions
 from __future__ import annotations
 
 import json
+import logging
+import sys
 import threading
 import time
+import traceback
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -156,10 +160,69 @@ def assert_same_scores(by_event: dict[str, dict], reference) -> None:
 
 
 # serve() in a child process that the test kills with SIGKILL: no stop, no close, a transaction maybe open.
-CHILD = """
-import json, logging, sys
+# SIGUSR1 writes every thread's stack to its stderr (what a test prints when the child seems stuck); with
+# TXS_TEST_SERVICE_LOG_LEVEL=DEBUG in its environment the service logs a line per committed batch.
+LOG_FORMAT = "%(asctime)s %(threadName)s %(levelname)s:%(name)s:%(message)s"
+CHILD = f"""
+import faulthandler, json, logging, os, signal, sys
 from consumers.service.loop import serve
 from consumers.runtime.settings import load_serve_config
-logging.basicConfig(level=logging.INFO)
-serve(load_serve_config(overrides=json.loads(sys.argv[1]), env={}), sys.argv[2], sys.argv[3])
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+logging.basicConfig(level=logging.INFO, format={LOG_FORMAT!r})
+logging.getLogger("consumers").setLevel(os.environ.get("TXS_TEST_SERVICE_LOG_LEVEL", "INFO"))
+serve(load_serve_config(overrides=json.loads(sys.argv[1]), env={{}}), sys.argv[2], sys.argv[3])
 """
+
+# What a failing test prints of a service's log: its own lines, group membership, warnings and errors; not
+# kafka-python's metadata and connection chatter, nor the test's own readers' warnings.
+RELEVANT = (
+    ":consumers.", "joined group", "Cooperative rebalance complete", "Revoking", "Leaving consumer group",
+    "rebalancing", "not recognized", "session expired", "Bumping producer epoch", "WARNING:", "ERROR:",
+)  # fmt: skip
+NOISE = (
+    "group_id is None", "ran for", "Metadata refresh", "Fetch to node", "heartbeat_interval_ms is high",
+    "DEBUG:consumers.service.stats", "DEBUG:consumers.terminals", "batch committed seq=",
+)  # fmt: skip
+
+
+def relevant_lines(lines, last: int = 60) -> list[str]:
+    """The last `last` of `lines` (log lines in LOG_FORMAT) that say something about the service."""
+    kept = [ln for ln in lines if any(w in ln for w in RELEVANT) and not any(w in ln for w in NOISE)]
+    return [ln[:400] for ln in kept[-last:]]
+
+
+class ServiceLog(logging.Handler):
+    """The last lines this process's services log (consumers.* at DEBUG, kafka-python's group coordinator at
+    INFO), kept for a failing test to print; `with ServiceLog() as log:` attaches and detaches it."""
+
+    def __init__(self, keep: int = 5000):
+        super().__init__(logging.DEBUG)
+        self.lines: deque[str] = deque(maxlen=keep)
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+        self.levels: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def __enter__(self) -> ServiceLog:
+        for name, level in (("consumers", logging.DEBUG), ("kafka.coordinator", logging.INFO)):
+            self.levels[name] = logging.getLogger(name).level
+            logging.getLogger(name).setLevel(level)
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, level in self.levels.items():
+            logging.getLogger(name).removeHandler(self)
+            logging.getLogger(name).setLevel(level)
+
+
+def thread_stacks(prefixes: tuple[str, ...]) -> str:
+    """The stacks of this process's threads whose names start with one of `prefixes`."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident, str(ident))
+        if name.startswith(prefixes):
+            out.append(f"--- thread {name}\n" + "".join(traceback.format_stack(frame)[-12:]))
+    return "\n".join(out)
