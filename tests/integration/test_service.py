@@ -11,13 +11,10 @@ consumer's choice and only per-account order is defined.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import math
-import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -30,21 +27,19 @@ from consumers.runtime.metrics import free_port
 from consumers.runtime.topics import ensure_topics
 from consumers.scoring.messages import encode_transaction, transactions_from_frame
 from consumers.scoring.scorer import Scorer
-from pipeline.bench.broker import REPO_ROOT
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.registry.tracking import load_model
 from tests.integration.service_helpers import (
-    CHILD,
     Running,
     assert_exactly_once,
     assert_same_scores,
     create_topic,
-    prefixed_configs,
     produce,
     read_committed,
     save_tiny_model,
     wait_for_scores,
 )
+from tests.integration.service_runs import serve_until, service_configs, start_child, uninterrupted_scores
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -59,10 +54,7 @@ def model_dir(tmp_path_factory, frame):
     return save_tiny_model(frame, 8, tmp_path_factory.mktemp("model"), "test-1")
 
 
-@pytest.fixture
-def service_cfg(kafka_bootstrap):
-    with prefixed_configs(kafka_bootstrap, "svc", max_poll_records=40, poll_timeout_ms=200) as make:
-        yield make
+service_cfg = service_configs("svc", max_poll_records=40, poll_timeout_ms=200)
 
 
 def test_every_event_gets_one_score_equal_to_the_scorers(kafka_bootstrap, service_cfg, frame, model_dir):
@@ -73,9 +65,7 @@ def test_every_event_gets_one_score_equal_to_the_scorers(kafka_bootstrap, servic
         kafka_bootstrap, cfg.topic("transactions"), [(t.account_id, encode_transaction(t)) for t in events]
     )
 
-    running = Running(cfg, model_dir, kafka_bootstrap)
-    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running)
-    stats = running.stop()
+    scores, stats = serve_until(cfg, model_dir, kafka_bootstrap, len(events))
 
     by_event = assert_exactly_once(scores, events)
     reference = Scorer(load_model(model_dir)).score_batch(events)
@@ -175,22 +165,19 @@ def test_a_restarted_service_resumes_from_committed_offsets_and_changelog_state(
     split = len(events) * 2 // 3
     produce(kafka_bootstrap, cfg.topic("transactions"), messages[:split])
 
-    first = Running(cfg, model_dir, kafka_bootstrap)
-    wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events) // 3, first)
-    first.stop()  # the batch in flight commits; the rest waits for the next instance
+    # Stopped at a third: the batch in flight commits; the rest waits for the next instance.
+    serve_until(cfg, model_dir, kafka_bootstrap, len(events) // 3)
     done = len(read_committed(kafka_bootstrap, cfg.topic("scores")))
     assert len(events) // 3 <= done <= split, f"the first instance scored {done} of {split} events"
     produce(kafka_bootstrap, cfg.topic("transactions"), messages[split:])
 
-    second = Running(cfg, model_dir, kafka_bootstrap)
-    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), second)
-    stats = second.stop()
+    scores, stats = serve_until(cfg, model_dir, kafka_bootstrap, len(events))
     by_event = assert_exactly_once(scores, events)
     assert stats.restored_states > 0 and stats.events_scored == len(events) - done
 
     # Reference: an uninterrupted run. The second instance restores the account records from the changelog
     # and the terminal records from the terminal table, so the restart changes no score.
-    assert_same_scores(by_event, Scorer(load_model(model_dir)).score(events))
+    assert_same_scores(by_event, uninterrupted_scores(model_dir, events))
 
 
 def test_dormant_accounts_leave_memory_and_come_back_exactly_across_a_restart(
@@ -204,15 +191,11 @@ def test_dormant_accounts_leave_memory_and_come_back_exactly_across_a_restart(
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
     split = len(events) // 2
     produce(kafka_bootstrap, cfg.topic("transactions"), messages[:split])
-    first = Running(cfg, model_dir, kafka_bootstrap)
-    wait_for_scores(kafka_bootstrap, cfg.topic("scores"), split, first)
-    first_stats = first.stop()
+    _, first_stats = serve_until(cfg, model_dir, kafka_bootstrap, split)
     produce(kafka_bootstrap, cfg.topic("transactions"), messages[split:])
-    second = Running(cfg, model_dir, kafka_bootstrap)
-    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), second)
-    second_stats = second.stop()
+    scores, second_stats = serve_until(cfg, model_dir, kafka_bootstrap, len(events))
 
-    assert_same_scores(assert_exactly_once(scores, events), Scorer(load_model(model_dir)).score(events))
+    assert_same_scores(assert_exactly_once(scores, events), uninterrupted_scores(model_dir, events))
     for stats in (first_stats, second_stats):
         assert stats.states_evicted > 0 and stats.states_reloaded > 0
     assert second_stats.restored_states == 5  # the rest of the 20 stayed dormant until they returned
@@ -242,9 +225,7 @@ def test_a_stable_instance_id_aborts_the_transaction_a_crashed_predecessor_left_
     )
 
     started = time.monotonic()
-    running = Running(cfg, model_dir, kafka_bootstrap)
-    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running, timeout_s=40)
-    stats = running.stop()
+    scores, stats = serve_until(cfg, model_dir, kafka_bootstrap, len(events), timeout_s=40)
     assert time.monotonic() - started < 40 and stats.restore_s < 10
     assert_exactly_once(scores, events)
     assert b"ghost" not in {r.key for r in read_committed(kafka_bootstrap, cfg.topic("changelog"))}
@@ -263,14 +244,7 @@ def test_a_killed_service_loses_nothing_and_scores_nothing_twice(
     split = len(events) * 2 // 3
     produce(kafka_bootstrap, cfg.topic("transactions"), messages[:split])
 
-    overrides = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "security"}
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, json.dumps(overrides), model_dir, kafka_bootstrap],
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    child = start_child(cfg, model_dir, kafka_bootstrap, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 90
         while len(read_committed(kafka_bootstrap, cfg.topic("scores"))) < len(events) // 3:
@@ -283,12 +257,10 @@ def test_a_killed_service_loses_nothing_and_scores_nothing_twice(
         child.stderr.close()
     produce(kafka_bootstrap, cfg.topic("transactions"), messages[split:])
 
-    second = Running(cfg, model_dir, kafka_bootstrap)
-    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), second)
-    stats = second.stop()
+    scores, stats = serve_until(cfg, model_dir, kafka_bootstrap, len(events))
     by_event = assert_exactly_once(scores, events)
     done = len(events) - stats.events_scored  # what the killed instance committed; it scored a prefix
     assert stats.restored_states > 0 and done >= len(events) // 3
 
     # The killed instance's terminal records were committed with its scores: as if never interrupted.
-    assert_same_scores(by_event, Scorer(load_model(model_dir)).score(events))
+    assert_same_scores(by_event, uninterrupted_scores(model_dir, events))

@@ -47,7 +47,7 @@ from tests.integration.service_helpers import (
     wait_for_metric,
     wait_for_scores,
 )
-from tests.integration.test_service_resilience import group_members, wait_until
+from tests.integration.service_runs import serve_until, wait_for_stable_group, wait_until
 
 # The same fixtures as test_service.py: its history, its tiny model, its per-test topic prefix.
 frame, model_dir, service_cfg = test_service.frame, test_service.model_dir, test_service.service_cfg
@@ -182,9 +182,7 @@ def test_a_restarted_service_restores_the_terminal_table_and_label_positions(
     assert split < done <= more and first_stats.labels_applied == len(labels)
     produce(kafka_bootstrap, cfg.topic("transactions"), messages[more:])
 
-    second = Running(cfg, model_dir, kafka_bootstrap)
-    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), second)
-    stats = second.stop()
+    scores, stats = serve_until(cfg, model_dir, kafka_bootstrap, len(events))
     by_event = assert_exactly_once(scores, events)
     # Restored, not re-read: the labels' positions came back with the terminal records they are counted in.
     assert stats.restored_terminals > 0 and stats.labels_applied == 0
@@ -251,9 +249,7 @@ def test_an_external_table_writer_keeps_the_table_when_no_instance_runs_one(
     with log_path.open("w") as sink:
         writer = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        running = Running(cfg, model_dir, kafka_bootstrap)
-        wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events), running)
-        serve_stats = running.stop()
+        _, serve_stats = serve_until(cfg, model_dir, kafka_bootstrap, len(events))
     finally:
         writer.send_signal(signal.SIGTERM)
         code = writer.wait(timeout=60)
@@ -306,9 +302,7 @@ def test_two_instances_count_every_event_at_its_terminal(kafka_bootstrap, servic
         Running(replace(cfg, metrics_host="127.0.0.1", metrics_port=p), model_dir, kafka_bootstrap)
         for p in ports
     )
-    wait_until(
-        lambda: group_members(kafka_bootstrap, cfg.group_id) == ("Stable", 2), "a stable group of 2", 120, a
-    )
+    wait_for_stable_group(kafka_bootstrap, cfg.group_id, 2, a)
     produce(kafka_bootstrap, cfg.topic("labels"), [(label.event_id, encode_label(label)) for label in labels])
     scored(events, a, len(events))
     # Idle now. Each instance folds in every delta record the other wrote (and never its own), so once both

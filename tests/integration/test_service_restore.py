@@ -21,74 +21,53 @@ from kafka.errors import KafkaConnectionError
 
 from consumers.scoring.account_state import decode_account_record
 from consumers.scoring.messages import transactions_from_frame
-from consumers.scoring.scorer import Scorer
 from consumers.service.commit_pipeline import TransactionPipeline
-from pipeline.registry.tracking import load_model
 from tests.integration.service_helpers import (
     Running,
     assert_exactly_once,
     assert_same_scores,
     create_topic,
-    prefixed_configs,
     produce,
     read_committed,
-    save_tiny_model,
+    wait_for_scores,
 )
-from tests.integration.test_service_resilience import (
+from tests.integration.service_runs import (
     FAST,
     committed_count,
-    group_members,
     messages,
-    unique_terminals,
-    wait_all_scores,
+    service_configs,
+    uninterrupted_scores,
+    wait_for_stable_group,
     wait_until,
 )
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
-
-@pytest.fixture(scope="module")
-def frame():
-    from pipeline.data.generate import GenerateConfig, generate
-
-    return unique_terminals(generate(GenerateConfig(accounts=60, days=30, seed=5))).sort("ts", "event_id")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, frame):
-    return save_tiny_model(frame, 20, tmp_path_factory.mktemp("model"), "restore-1")
-
-
-@pytest.fixture
-def service_cfg(kafka_bootstrap):
-    with prefixed_configs(kafka_bootstrap, "rst", **FAST) as make:
-        yield make
+service_cfg = service_configs("rst", **FAST)
 
 
 @pytest.mark.timeout(420)
 def test_partitions_that_stay_keep_their_states_and_only_moved_ones_are_read(
-    kafka_bootstrap, service_cfg, frame, model_dir
+    kafka_bootstrap, service_cfg, unique_frame, unique_model
 ):
     cfg = service_cfg(max_poll_records=20)
-    events = transactions_from_frame(frame)
+    events = transactions_from_frame(unique_frame)
     msgs, n = messages(events), len(events)
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=4)
     half = n // 2
     produce(kafka_bootstrap, cfg.topic("transactions"), msgs[:half])
-    a = Running(cfg, model_dir, kafka_bootstrap)
-    wait_all_scores(
+    a = Running(cfg, unique_model, kafka_bootstrap)
+    wait_for_scores(
         kafka_bootstrap, cfg.topic("scores"), half, a, timeout_s=180
     )  # every partition has states
-    b = Running(cfg, model_dir, kafka_bootstrap)
-    wait_until(
-        lambda: group_members(kafka_bootstrap, cfg.group_id) == ("Stable", 2), "a stable group of 2", 120, a
-    )
+    b = Running(cfg, unique_model, kafka_bootstrap)
+    wait_for_stable_group(kafka_bootstrap, cfg.group_id, 2, a)
     produce(kafka_bootstrap, cfg.topic("transactions"), msgs[half:])
-    scores = wait_all_scores(kafka_bootstrap, cfg.topic("scores"), n, a, timeout_s=240)
+    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), n, a, timeout_s=240)
     b_stats, a_stats = b.stop(), a.stop()
 
     by_event = assert_exactly_once(scores, events)
-    assert_same_scores(by_event, Scorer(load_model(model_dir)).score(events))
+    assert_same_scores(by_event, uninterrupted_scores(unique_model, events))
     assert b_stats.events_scored > 0, "the second member never scored: no partition moved"
     assert a_stats.rebalances >= 1 and a_stats.changelog_records_read == 0, a_stats  # kept, not reread
     changelog = read_committed(kafka_bootstrap, cfg.topic("changelog"))
@@ -98,10 +77,10 @@ def test_partitions_that_stay_keep_their_states_and_only_moved_ones_are_read(
 
 @pytest.mark.timeout(300)
 def test_an_aborted_batch_reloads_only_its_accounts_and_scores_stay_exactly_once(
-    kafka_bootstrap, service_cfg, frame, model_dir, monkeypatch
+    kafka_bootstrap, service_cfg, unique_frame, unique_model, monkeypatch
 ):
     cfg = service_cfg(max_poll_records=40)
-    events = transactions_from_frame(frame)
+    events = transactions_from_frame(unique_frame)
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
     produce(kafka_bootstrap, cfg.topic("transactions"), messages(events))
     commit, calls = TransactionPipeline._commit, itertools.count()
@@ -112,7 +91,7 @@ def test_an_aborted_batch_reloads_only_its_accounts_and_scores_stay_exactly_once
         return commit(self, offsets, group_metadata)
 
     monkeypatch.setattr(TransactionPipeline, "_commit", fails_once)
-    running = Running(cfg, model_dir, kafka_bootstrap)
+    running = Running(cfg, unique_model, kafka_bootstrap)
     wait_until(
         lambda: committed_count(kafka_bootstrap, cfg.topic("scores")) >= len(events), "all", 180, running
     )
@@ -120,7 +99,7 @@ def test_an_aborted_batch_reloads_only_its_accounts_and_scores_stay_exactly_once
 
     scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
     by_event = assert_exactly_once(scores, events)
-    assert_same_scores(by_event, Scorer(load_model(model_dir)).score(events))
+    assert_same_scores(by_event, uninterrupted_scores(unique_model, events))
     assert stats.aborted_batches == 1, stats
     # Two batches of at most 40 events were undone (the failed one and the one scored meanwhile): their
     # accounts left memory and came back from their records; no partition was read again.

@@ -22,17 +22,16 @@ from tests.integration.service_helpers import (
     produce,
     read_committed,
     save_tiny_model,
+    wait_for_scores,
 )
-from tests.integration.test_service_resilience import FAST, messages, unique_terminals, wait_all_scores
+from tests.integration.service_runs import FAST, messages, serve_until, unique_terminal_history
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def frame():
-    from pipeline.data.generate import GenerateConfig, generate
-
-    return unique_terminals(generate(GenerateConfig(accounts=40, days=30, seed=5))).sort("ts", "event_id")
+    return unique_terminal_history(accounts=40, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +55,8 @@ def test_promoted_shadow_scores_as_the_challenger_alone(kafka_bootstrap, frame, 
         create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=2)
         produce(kafka_bootstrap, cfg.topic("transactions"), msgs[:first])
         both = Running(cfg, champion, kafka_bootstrap, shadow=challenger)
-        wait_all_scores(kafka_bootstrap, cfg.topic("scores"), first, both, timeout_s=180)
-        shadow_scores = wait_all_scores(
+        wait_for_scores(kafka_bootstrap, cfg.topic("scores"), first, both, timeout_s=180)
+        shadow_scores = wait_for_scores(
             kafka_bootstrap, cfg.topic("shadow_scores"), first, both, timeout_s=60
         )
         both.stop()
@@ -76,9 +75,7 @@ def test_promoted_shadow_scores_as_the_challenger_alone(kafka_bootstrap, frame, 
 
         # Promotion: the challenger is the model now; it restores the states it built in shadow.
         produce(kafka_bootstrap, cfg.topic("transactions"), msgs[first:])
-        promoted = Running(cfg, challenger, kafka_bootstrap)
-        wait_all_scores(kafka_bootstrap, cfg.topic("scores"), n, promoted, timeout_s=180)
-        stats = promoted.stop()
+        _, stats = serve_until(cfg, challenger, kafka_bootstrap, n, timeout_s=180)
         assert stats.restored_states == len({t.account_id for t in events[:first]})
         scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
         after = [s for s in scores if s["model_version"] == "challenger-2"]

@@ -4,13 +4,11 @@ import mlflow
 import polars as pl
 import pytest
 
-from pipeline.cli.commands import run_generate
-from pipeline.data.generate import GenerateConfig
 from pipeline.evaluation.backtest import BacktestConfig, backtest
 from pipeline.evaluation.compare import compare
-from pipeline.registry.tracking import configure_tracking
 from pipeline.training.config import load_train_config
 from pipeline.training.train import train
+from tests.pipeline.workspaces import busy_dataset, use_fresh_store
 
 PLOTS = (
     "pr_curves.png",
@@ -24,21 +22,10 @@ PLOTS = (
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
-    # Fraud rates above the defaults, so a month of 120 accounts has frauds to learn and to test on.
-    busy = GenerateConfig(
-        accounts=120,
-        days=30,
-        seed=4,
-        compromised_accounts_per_day=40.0,
-        card_testing_accounts_per_day=20.0,
-        takeover_accounts_per_day=10.0,
-        compromised_terminals_per_day=10.0,
-    )
-    run_generate(busy, root / "data")
+    # A month of 120 accounts with frauds to learn and to test on.
+    busy_dataset(root / "data", accounts=120, days=30, seed=4)
     with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(root)
-        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-        configure_tracking()  # an earlier test's set_tracking_uri would otherwise win over the variable
+        use_fresh_store(patch, root)
         results = {}
         for model in ("lstm", "logreg"):
             cfg = load_train_config(

@@ -29,9 +29,6 @@ from mlflow.pyfunc import scoring_server
 
 from consumers.scoring.scorer import Scorer
 from models.registry import REGISTRY, build_detector
-from pipeline.cli.commands import run_generate
-from pipeline.data.dataset import read_dataset
-from pipeline.data.generate import GenerateConfig
 from pipeline.data.splits import Period, dataset_days
 from pipeline.evaluation.backtest import BacktestConfig, backtest
 from pipeline.features import compute_features, fit_feature_spec
@@ -43,6 +40,7 @@ from pipeline.registry.pyfunc_model import (
     score_transactions,
 )
 from pipeline.registry.tracking import configure_tracking, load_model
+from tests.pipeline.workspaces import busy_dataset, use_fresh_store
 
 REGISTERED = "txsentinel-pyfunc-test"
 
@@ -51,16 +49,9 @@ REGISTERED = "txsentinel-pyfunc-test"
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("pyfunc")
     # Fraud well above the defaults, so labels reach the terminal-risk features within a few weeks.
-    busy = GenerateConfig(
-        accounts=50,
-        days=18,
-        seed=5,
-        compromised_accounts_per_day=20.0,
-        card_testing_accounts_per_day=10.0,
-        compromised_terminals_per_day=8.0,
-    )
-    run_generate(busy, root / "data")
-    frame = read_dataset(root / "data")
+    rates = {"compromised_accounts_per_day": 20.0, "card_testing_accounts_per_day": 10.0}
+    rates |= {"compromised_terminals_per_day": 8.0, "takeover_accounts_per_day": 0.5}  # 0.5: the default
+    frame = busy_dataset(root / "data", accounts=50, days=18, seed=5, **rates)
     start = frame["ts"].min()
     spec = fit_feature_spec(compute_features(frame), start, start + timedelta(days=10))
     return root, frame, spec
@@ -119,9 +110,7 @@ def logged(dataset, tmp_path_factory):
     root, frame, spec = dataset
     store = tmp_path_factory.mktemp("store")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store / 'mlflow.db'}")
-        env.chdir(store)  # mlflow's default artifact root is relative to the working directory
-        configure_tracking()
+        use_fresh_store(env, store)
         save_model_dir(root / "model", tiny_detector("lstm", spec), spec, {"threshold": 0.55})
         with mlflow.start_run():
             uri, version = log_and_register(root / "model", REGISTERED)
