@@ -54,6 +54,7 @@ from tests.integration.service_helpers import (
     save_tiny_model,
     thread_stacks,
 )
+from tests.integration.service_runs import committed_count, group_members, wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -72,30 +73,6 @@ def frame() -> pl.DataFrame:  # ~2100 events, 34 accounts, one terminal per even
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, frame):
     return save_tiny_model(frame, 20, tmp_path_factory.mktemp("model"), "fence-1")
-
-
-def scored(bootstrap: str, topic: str) -> int:
-    return len(read_committed(bootstrap, topic))
-
-
-def group(bootstrap: str, group_id: str) -> tuple[str, int]:
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    try:
-        info = admin.describe_groups([group_id])[group_id]
-        return info["group_state"], len(info["members"])
-    finally:
-        admin.close()
-
-
-def wait_until(predicate, what: str, timeout_s: float, running: Running, child=None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if running is not None and running.error is not None:
-            raise running.error
-        if child is not None:
-            assert child.poll() is None, f"instance A died (rc={child.returncode})"
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for: {what}"
-        time.sleep(0.3)
 
 
 def trickle(bootstrap: str, topic: str, events: list[Transaction], stop: threading.Event) -> threading.Thread:
@@ -167,7 +144,7 @@ def failure_report(
             out.append(
                 f"  {tp.partition}: end={ends[tp]} committed={at and at.offset} scores={scores[tp.partition]}"
             )
-        out.append(f"  group {cfg.group_id}: {group(bootstrap, cfg.group_id)}")
+        out.append(f"  group {cfg.group_id}: {group_members(bootstrap, cfg.group_id)}")
         scored_ids = {json.loads(r.value)["event_id"] for r in read_committed(bootstrap, cfg.topic("scores"))}
         missing: dict[int, list[int]] = {}
         for record in read_committed(bootstrap, topic):
@@ -237,14 +214,20 @@ def test_an_instance_frozen_past_its_session_timeout_is_fenced_and_exactly_once_
             )
             try:
                 topic = cfg.topic("scores")
-                wait_until(lambda: scored(kafka_bootstrap, topic) >= first // 3, "A scores", 150, None, a)
+                wait_until(
+                    lambda: committed_count(kafka_bootstrap, topic) >= first // 3, "A scores", 150, None, a
+                )
                 b = Running(cfg, model_dir, kafka_bootstrap)
                 wait_until(
-                    lambda: group(kafka_bootstrap, cfg.group_id) == ("Stable", 2), "a group of 2", 120, b, a
+                    lambda: group_members(kafka_bootstrap, cfg.group_id) == ("Stable", 2),
+                    "a group of 2",
+                    120,
+                    b,
+                    a,
                 )
                 feeder = trickle(kafka_bootstrap, cfg.topic("transactions"), events[first:], stop_trickle)
                 wait_until(
-                    lambda: scored(kafka_bootstrap, topic) >= first + (n - first) // 5,
+                    lambda: committed_count(kafka_bootstrap, topic) >= first + (n - first) // 5,
                     "both score",
                     150,
                     b,
@@ -252,10 +235,12 @@ def test_an_instance_frozen_past_its_session_timeout_is_fenced_and_exactly_once_
                 )
 
                 a.send_signal(signal.SIGSTOP)  # mid-stream: maybe inside a batch, maybe with a commit open
-                paused_at = scored(kafka_bootstrap, topic)
-                wait_until(lambda: group(kafka_bootstrap, cfg.group_id) == ("Stable", 1), "B alone", 60, b)
+                paused_at = committed_count(kafka_bootstrap, topic)
+                wait_until(
+                    lambda: group_members(kafka_bootstrap, cfg.group_id) == ("Stable", 1), "B alone", 60, b
+                )
                 time.sleep(max(0.0, PAUSE_S - FAST["session_timeout_ms"] / 1000))
-                taken_over = scored(kafka_bootstrap, topic)
+                taken_over = committed_count(kafka_bootstrap, topic)
                 a.send_signal(signal.SIGCONT)
                 print(f"A paused at {paused_at} scores; B alone had {taken_over} committed when A resumed")
                 assert taken_over > paused_at, "B scored nothing while A was paused: no takeover exercised"
