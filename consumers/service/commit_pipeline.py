@@ -250,14 +250,11 @@ def _forget_refused_offsets(producer) -> None:
 
 
 def _failed_record(batch: ScoredBatch, errors: tuple = ()) -> str | None:
-    """Where the first record of `batch` that failed (with one of `errors`, if given) or is not done went."""
+    """Where the first record of `batch` went that failed with one of `errors`, or, with none given, that
+    failed or is not acknowledged."""
     for (topic, _, _, partition), sent in zip(batch.records, batch.sent, strict=False):
         done = getattr(sent, "is_done", True)  # kafka-python's future of the send
-        failed = done and getattr(sent, "exception", None) is not None
-        if errors and not (failed and isinstance(sent.exception, errors)):
-            continue
-        if not errors and done and not failed:
-            continue
-        reason = "not acknowledged" if not done else repr(sent.exception)
-        return f"{topic} partition {partition} ({reason})"
+        error = getattr(sent, "exception", None) if done else None
+        if isinstance(error, errors) if errors else (not done or error is not None):
+            return f"{topic} partition {partition} ({repr(error) if done else 'not acknowledged'})"
     return None

@@ -273,12 +273,13 @@ class _Service(Restore, Transactions, Bookkeeping):
         if committed is None:
             return
         self.failures = 0
-        batch = committed.batch  # a line per batch when DEBUG is on: where each partition's input stands
-        log.debug(
-            "batch committed seq=%d events=%d offsets=%s commit_seconds=%.3f", batch.seq, batch.events,
-            {tp.partition: f"{rs[0].offset}-{rs[-1].offset}" for tp, rs in batch.polled.items() if rs},
-            committed.seconds,
-        )  # fmt: skip
+        if log.isEnabledFor(logging.DEBUG):  # a line per batch: where each partition's input stands
+            batch = committed.batch
+            log.debug(
+                "batch committed seq=%d events=%d offsets=%s commit_seconds=%.3f", batch.seq, batch.events,
+                {tp.partition: f"{rs[0].offset}-{rs[-1].offset}" for tp, rs in batch.polled.items() if rs},
+                committed.seconds,
+            )  # fmt: skip
         try:
             self._count(committed)
         except Exception:  # the batch IS committed: a bookkeeping error must not rewind it
