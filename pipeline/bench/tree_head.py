@@ -21,7 +21,7 @@ from pipeline.training.datamodule import Window
 from pipeline.training.hybrid_head import fit_trees, head_rows, score_window
 from pipeline.training.prepared import prepare
 
-FAST = {"learning_rate": 0.1, "max_iter": 200, "monotone": False}  # scikit-learn's own defaults
+FAST = {"learning_rate": 0.1, "max_iter": 200, "monotone": False}  # the former default, as hist_gbdt's
 LEAVES = {"min_samples_leaf": 200, "l2_regularization": 1.0}
 # (name, fit_trees' settings, which rows the trees learn from, whether they see the base score)
 RECIPES = (
@@ -54,7 +54,11 @@ def run_tree_bench(data: Path, model_uri: str, test_days: int = 7) -> pl.DataFra
     rows = {name: head_rows(ready.train_seqs, history, windows[name]) for name in ("train", "validation")}
     x_test, _ = head_rows(ready.test_seqs, test, windows["test"])
     in_test = ~np.isnan(test)
-    table = [_row(f"{base.name} alone", None, 0.0, *ready.test_metrics(test, cfg.cp_k, cfg.delay_days))]
+    table = [
+        _row(
+            f"{base.name} alone", None, 0.0, *ready.test_metrics(ready.scored(test), cfg.cp_k, cfg.delay_days)
+        )
+    ]
     for name, settings, fitted_on, with_score in RECIPES:
         columns = slice(None) if with_score else slice(0, -1)
         (x, y), (x_val, y_val) = rows[fitted_on], rows["validation"]
@@ -64,7 +68,12 @@ def run_tree_bench(data: Path, model_uri: str, test_days: int = 7) -> pl.DataFra
         scores = np.full(len(test), np.nan, dtype=np.float32)
         scores[in_test] = trees.decision_function(x_test[:, columns])
         table.append(
-            _row(name, trees.n_iter_, seconds, *ready.test_metrics(scores, cfg.cp_k, cfg.delay_days))
+            _row(
+                name,
+                trees.n_iter_,
+                seconds,
+                *ready.test_metrics(ready.scored(scores), cfg.cp_k, cfg.delay_days),
+            )
         )
         print(f"  {name}: test AP {table[-1]['ap']:.3f}, {trees.n_iter_} trees, {seconds:.0f} s", flush=True)
     return pl.DataFrame(table)

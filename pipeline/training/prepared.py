@@ -30,10 +30,12 @@ class Prepared:
     test_seqs: AccountSequences  # every event up to the test week's end, with the truth
     windows: dict[str, Window]  # "train", "validation", "test": which events each stage scores
 
-    def test_metrics(self, scores: np.ndarray, cp_k: int, delay_days: int) -> tuple[DetectionMetrics, dict]:
-        """The published protocol's metrics and the AP of each fraud scenario, from [N] test_seqs scores (NaN
-        outside the test window)."""
-        scored = scored_events(self.test_seqs, scores)
+    def scored(self, scores: np.ndarray) -> pl.DataFrame:
+        """The test events that [N] test_seqs `scores` scored (NaN outside the test window), as metrics take them."""
+        return scored_events(self.test_seqs, scores)
+
+    def test_metrics(self, scored: pl.DataFrame, cp_k: int, delay_days: int) -> tuple[DetectionMetrics, dict]:
+        """The published protocol's metrics and the AP of each fraud scenario, of `scored` (self.scored)."""
         return detection_metrics(scored, self.frame, self.split.test, cp_k, delay_days), scenario_metrics(
             scored, self.frame
         )

@@ -40,7 +40,7 @@ from pipeline.training.diagnostics import (
 )
 from pipeline.training.hybrid_head import fit_hybrid
 from pipeline.training.module import DetectorModule
-from pipeline.training.prepared import prepare, scored_events
+from pipeline.training.prepared import prepare
 from pipeline.training.sequences import AccountSequences
 from pipeline.training.thresholds import Threshold, choose_threshold
 
@@ -173,8 +173,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             return TrainResult(run_id, cfg.model, "", -1)
 
         detector = module.detector.cpu().eval()
-        scored = scored_events(test_seqs, module.scores["test"])
-        metrics, scenarios = ready.test_metrics(module.scores["test"], cfg.cp_k, cfg.delay_days)
+        scored = ready.scored(module.scores["test"])
+        metrics, scenarios = ready.test_metrics(scored, cfg.cp_k, cfg.delay_days)
         results = {**metrics.as_dict(), **scenarios}
         results["test/parallel_vs_recurrent_max_abs"] = parallel_vs_recurrent_error(detector, test_seqs)
         results["model/state_bytes_per_account"] = float(state_bytes_per_account(detector))

@@ -47,9 +47,8 @@ def test_tree_bench_rows_are_each_recipe_and_the_default_is_the_hybrid_train_bui
 
     windows = ready.windows
     hybrid = fit_hybrid(base, ready.train_seqs, windows["train"], windows["validation"], cfg.seed)
-    metrics, _ = ready.test_metrics(
-        score_window(hybrid, ready.test_seqs, windows["test"]), 100, cfg.delay_days
-    )
+    scored = ready.scored(score_window(hybrid, ready.test_seqs, windows["test"]))
+    metrics, _ = ready.test_metrics(scored, 100, cfg.delay_days)
     default_ap, default_trees = rows[RECIPES[0][0]]
     assert default_trees == hybrid.config.trees
     assert abs(default_ap - metrics.ap) <= 1e-3
