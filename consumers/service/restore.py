@@ -90,7 +90,7 @@ class Restore:
             self.probes.wait_for(
                 "partitions", "rebalancing: partitions revoked, waiting for the next assignment"
             )
-        self.stats.rebalances += 1
+            self.stats.rebalances += 1
         self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
         self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         log.info("partitions revoked partitions=%s evicted_states=%d", partitions, evicted)
@@ -111,6 +111,8 @@ class Restore:
         tps = [tp for tp in assigned if tp.topic == self.topic]
         partitions = sorted(tp.partition for tp in tps)
         log.info("partitions assigned partitions=%s", partitions)
+        if partitions:
+            self.stats.rebalances += 1
         self.consumer.pause(*tps)
         self.to_restore |= set(partitions)
         if self.to_restore:

@@ -26,6 +26,8 @@ class ServeStats:
     rekeyed: int = 0  # records written again under their account's key (key_mismatch: rekey)
     careful_batches: int = 0  # batches read again one event at a time after an unforeseen failure
     aborted_batches: int = 0
+    # partitions taken from or given to this member: a cooperative rebalance may do either, both or neither, so
+    # a member that joins, takes over a frozen member's partitions and gives some back counts 3
     rebalances: int = 0
     restored_states: int = 0
     restore_s: float = 0.0

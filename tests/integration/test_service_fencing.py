@@ -277,6 +277,7 @@ def test_an_instance_frozen_past_its_session_timeout_is_fenced_and_exactly_once_
         scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
         by_event = assert_exactly_once(scores, events)
         assert_same_scores(by_event, Scorer(load_model(model_dir)).score(events))
+        # B was given partitions at least twice (on joining, and A's when A froze) and restored their states
         assert b_stats.rebalances >= 2 and b_stats.restored_states > 0, b_stats
         accounts = assert_states_consistent(kafka_bootstrap, cfg, model_dir, events)
         print(f"{n} events scored once each; {accounts} accounts' states as an uninterrupted run leaves them")
