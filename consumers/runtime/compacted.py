@@ -110,6 +110,14 @@ class Reader:
         self.watermarks.close()
 
 
+def offset_span(reader: Reader, topic: str, partitions: list[int]) -> int:
+    """Offsets from the partitions' log starts to their high watermarks: at least as many as the records a
+    whole read returns, and so the keys it finds (superseded and control records count too)."""
+    tps = [TopicPartition(topic, p) for p in partitions]
+    first, end = reader.watermarks.beginning_offsets(tps), reader.watermarks.end_offsets(tps)
+    return sum(end[tp] - first[tp] for tp in tps)
+
+
 def read_latest(
     reader: Reader, topic: str, partitions: list[int], timeout_s: float, last_key: str | None = None
 ) -> tuple[dict[str, bytes | None], int]:

@@ -15,6 +15,7 @@ state_bytes_per_account measures it, so a cap in bytes is a cap on the number of
 import dataclasses
 from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -162,6 +163,10 @@ class HeldAccounts:
         self.featurizer.accounts.put_bytes(account_id, record.features)
         self._changed.discard(account_id)  # memory now equals the record
 
+    def reserve_accounts(self, n: int) -> None:
+        """Room for about n more account states in one step (StateStore.reserve), before a restore."""
+        self.store.reserve(n)
+
     @torch.inference_mode()
     def restore_accounts(self, account_ids: Sequence[str], values: Sequence[bytes]) -> None:
         """restore_account of many accounts (distinct ids) with one decode and one scatter for all of them:
@@ -193,8 +198,8 @@ class HeldAccounts:
             if self.shadow is not None:
                 for account in ids:
                     self.shadow.evict(account)  # as in restore_account
-            rows = _rows(self.store.slot_of, self.store.add, ids)
-            self.store.scatter(rows, state)
+            rows = _rows(self.store.slot_of, partial(self.store.add, overwritten=True), ids)
+            self.store.scatter(rows, state)  # with the bookkeeping below: every field of the rows
             self.store.partition[rows] = header["partition"]
             self.store.offset[rows] = header["offset"]
             self.store.last_ts_us[rows] = header["last_ts_us"]

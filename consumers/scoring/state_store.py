@@ -4,8 +4,9 @@ A micro-batch is applied by the detector's step_in_place on the rows where the s
 event an account by default (each round one gather, batched step and scatter, so a round costs one batched
 call however many accounts are in memory), in one pass per layer for the linear Transformer on CPU. Rows:
 account -> row through a dict; capacity doubles when full, up to `row_limit` when one is set (the service
-sets what its memory cap holds, so doubling never allocates far beyond it); an evicted account's row goes to
-a free list and is reset to init_state when reused.
+sets what its memory cap holds, so doubling never allocates far beyond it), or grows once by what a restore
+reserves; an evicted account's row goes to a free list. A row is reset to init_state when handed out, so
+rows never handed out are left uninitialised.
 
 Beside each row: the account's last applied source position (partition, offset) and the newest event ts
 applied, as numpy arrays [capacity], and the hashes of its last RECENT_EVENT_IDS event ids as a ring
@@ -78,9 +79,10 @@ class StateStore:
             self._reset(np.asarray(new, dtype=np.int64))
         return np.asarray(found, dtype=np.int64)
 
-    def add(self, account_ids: Sequence[str]) -> np.ndarray:
+    def add(self, account_ids: Sequence[str], overwritten: bool = False) -> np.ndarray:
         """[N] fresh rows (state of no history) for N distinct accounts not in memory, in one block where
-        the free list runs out: a restore adds a million accounts, ~3 us each one at a time."""
+        the free list runs out: a restore adds a million accounts, ~3 us each one at a time. `overwritten`:
+        the caller writes the rows' states and bookkeeping whole next (a restore), so they are not reset."""
         reused = [self._free.pop() for _ in range(min(len(self._free), len(account_ids)))]
         block = len(account_ids) - len(reused)
         while self._used + block > self.capacity:
@@ -90,7 +92,8 @@ class StateStore:
         )
         self._used += block
         self.slot_of.update(zip(account_ids, rows.tolist(), strict=True))
-        self._reset(rows)
+        if not overwritten:
+            self._reset(rows)
         return rows
 
     def _allocate(self, account_id: str) -> int:
@@ -104,16 +107,31 @@ class StateStore:
         self.slot_of[account_id] = row
         return row
 
-    @torch.inference_mode()
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` more accounts at once, for a restore that knows about how many it reads: no copies
+        by doubling on the way. The rows stay untouched until handed out, so an estimate too high costs
+        address space, not memory."""
+        short = self._used + max(rows - len(self._free), 0) - self.capacity
+        if short > 0:
+            self._resize(self.capacity + short)
+
     def _grow(self, at_least: int = 0) -> None:
         # Doubling: a copy of the store now and then, amortised O(1) per new account (or `at_least` rows
         # more at once: a restore's block); stopping at row_limit.
         added = max(self.capacity, at_least)
         if self.row_limit is not None and self.capacity < self.row_limit:
             added = min(added, max(self.row_limit - self.capacity, at_least))
+        self._resize(self.capacity + added)
+
+    @torch.inference_mode()
+    def _resize(self, capacity: int) -> None:
+        """Rows up to `capacity`. Only the rows handed out so far are copied; the new ones are left
+        uninitialised (untouched memory is not resident) and reset when handed out (add, rows)."""
+        added = capacity - self.capacity
         for key, value in self.states.items():
-            fresh = self._init[key].expand(added, *value.shape[1:])
-            self.states[key] = torch.cat([value, fresh])
+            grown = value.new_empty((capacity, *value.shape[1:]))
+            grown[: self._used] = value[: self._used]
+            self.states[key] = grown
         self.partition = np.concatenate([self.partition, np.full(added, NO_POSITION, dtype=np.int64)])
         self.offset = np.concatenate([self.offset, np.full(added, NO_POSITION, dtype=np.int64)])
         self.last_ts_us = np.concatenate([self.last_ts_us, np.full(added, NO_TS, dtype=np.int64)])

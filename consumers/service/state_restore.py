@@ -16,10 +16,12 @@ import gc
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from consumers.runtime.compacted import Reader, read_chunks
+from consumers.runtime.compacted import Reader, offset_span, read_chunks
 from consumers.scoring.scorer import Scorer
 
-CHUNK_BYTES = 32 * 1024 * 1024  # ~18,000 LSTM or ~3,500 linear Transformer states of the default size
+# ~4,500 LSTM or ~900 linear Transformer states of the default size. Small enough that the chunk's copies
+# come from malloc's heap and are reused chunk after chunk: at 32 MB each was a fresh mapping, faulted in anew.
+CHUNK_BYTES = 8 * 1024 * 1024
 
 Place = tuple[int, int]  # (changelog partition, offset)
 
@@ -54,6 +56,8 @@ def _restore(
     recent: OrderedDict[str, None] = OrderedDict()  # accounts held, by the order of their last record
     where: dict[str, Place] = {}
     read = 0
+    # Rows for every account the read can find, at once: the store does not double (and copy) its way there
+    scorer.reserve_accounts(min(keep, offset_span(reader, topic, partitions)))
     for chunk in read_chunks(reader, topic, partitions, timeout_s, CHUNK_BYTES):
         read += len(chunk)
         latest: dict[str, bytes] = {}

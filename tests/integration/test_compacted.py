@@ -1,13 +1,22 @@
-"""Reading a compacted state topic back (consumers/runtime/compacted.py) against the real broker."""
+"""Reading a compacted state topic back (consumers/runtime/compacted.py), and account states restored from one
+(consumers/service/state_restore.py), against the real broker."""
 
 import threading
 import time
 import uuid
 
 import pytest
+import torch
 from kafka import KafkaProducer
 
 from consumers.runtime.compacted import Reader, read_at, read_latest, read_recent
+from consumers.scoring.messages import Transaction
+from consumers.scoring.scorer import Scorer
+from consumers.service.state_restore import restore_partitions
+from models.registry import build_detector
+from pipeline.features.definitions import FEATURE_NAMES
+from pipeline.features.spec import FeatureSpec
+from pipeline.registry.artifact import LoadedModel
 
 pytestmark = [pytest.mark.kafka]
 
@@ -163,4 +172,45 @@ def test_a_read_until_a_key_takes_a_transaction_written_across_its_start_whole(
         assert result["latest"] == {"t1": b"t1@2", **later, "POS": b"2"}
     finally:
         writer.close()
+        consumer.close()
+
+
+def test_a_restore_reads_each_accounts_last_state_into_a_store_that_grows_once(
+    kafka_bootstrap, topic_factory
+):
+    n = len(FEATURE_NAMES)
+
+    def scorer() -> Scorer:
+        torch.manual_seed(0)
+        detector = build_detector("lstm", {"num_features": n, "d_model": 8, "num_layers": 1})
+        return Scorer(LoadedModel(detector=detector, spec=FeatureSpec(mean=(0.0,) * n, std=(1.0,) * n)))
+
+    accounts = [f"A{i}" for i in range(1500)]
+    source = scorer()
+    topic = topic_factory("state", partitions=2)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    for round_ in range(2):  # every account's state twice: the first record is superseded
+        source.score(
+            [Transaction(f"E{round_}-{a}", a, 1_700_000_000_000_000 + round_, 10.0, "T") for a in accounts]
+        )
+        for i, (a, value) in enumerate(zip(accounts, source.account_states_bytes(accounts), strict=True)):
+            producer.send(topic, key=a.encode(), value=value, partition=i % 2)
+    producer.flush()
+    producer.close()
+
+    consumer = reader(kafka_bootstrap)
+    try:
+        restored = scorer()
+        assert restored.store.capacity == 1024
+        done = restore_partitions(restored, consumer, topic, [0, 1], timeout_s=60, keep=10**6)
+        assert done.read == 3000 and sorted(done.accounts) == sorted(accounts)
+        assert restored.account_states_bytes(accounts) == source.account_states_bytes(accounts)
+        # one step to room for every record the read could find (3000), not doubling through 2048 to 4096
+        assert restored.store.capacity == 3000
+
+        kept = scorer()
+        done = restore_partitions(kept, consumer, topic, [0, 1], timeout_s=60, keep=500)
+        assert len(done.accounts) == 500 and kept.store.capacity == 1024  # room for `keep` was there
+        assert kept.account_states_bytes(done.accounts) == source.account_states_bytes(done.accounts)
+    finally:
         consumer.close()
