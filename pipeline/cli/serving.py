@@ -70,8 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
         with model_errors(cfg.shadow_model_uri):
             shadow = load_model(cfg.shadow_model_uri)
     with kafka_errors(cfg):
-        stats = serve(cfg, model, cfg.bootstrap_servers, shadow=shadow)
-    print(f"serve stopped: {stats}")
+        serve(cfg, model, cfg.bootstrap_servers, shadow=shadow)  # logs "serve stopped" with its stats
     return 0
 
 

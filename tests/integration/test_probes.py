@@ -72,7 +72,8 @@ def test_serve_turns_ready_after_its_restore_and_names_its_model(kafka_bootstrap
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         log_path = tmp_path / "serve.log"
         with log_path.open("w") as log:
-            serve = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=log)
+            # stdout too: under JSON logs nothing else may reach either stream
+            serve = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             seen: list[tuple[int, str]] = []
             deadline = time.monotonic() + 180
