@@ -3,7 +3,7 @@ or above the threshold) and the `dead-letter` records. Their JSON Schemas: consu
 
 scores and alerts (key = account_id):
     {"event_id": "E1", "account_id": "A1", "ts": "2026-03-01T12:00:00.250000Z", "score": 0.0213,
-     "alert": false, "out_of_order": false, "model_version": "3"}
+     "alert": false, "out_of_order": false, "model_version": "models:/txsentinel/3"}
     (ts as epoch milliseconds, 1772366400250, with timestamp_format = epoch_ms)
 dead-letter (key = the input record's key):
     {"reason": "...", "source_topic": "transactions", "source_partition": 0, "source_offset": 41,

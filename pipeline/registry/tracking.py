@@ -37,15 +37,21 @@ def _find_model_dir(root: Path) -> Path:
 
 def load_model(uri: str) -> LoadedModel:
     """A detector and its feature spec from `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `runs:/RUN/model`
-    or a local directory."""
+    or a local directory. A registered version's meta names it (model_version `models:/NAME/VERSION`)."""
     local = Path(uri)
     if local.exists():
         return load_model_dir(_find_model_dir(local), source=uri)
     if not uri.startswith(("models:/", "runs:/")):
         raise FileNotFoundError(f"model {uri!r}: not a local directory, nor a models:/ or runs:/ URI")
     configure_tracking()
-    downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
-    return load_model_dir(_find_model_dir(downloaded), source=uri)
+    registered = registered_version(uri)  # an alias is resolved once: what is downloaded is what it named
+    pinned = uri if registered is None else f"models:/{registered[0]}/{registered[1]}"
+    downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=pinned))
+    model = load_model_dir(_find_model_dir(downloaded), source=uri)
+    if registered is not None:
+        # what its scores carry as model_version: the version itself, which an alias moved later still names
+        model.meta.setdefault("model_version", pinned)
+    return model
 
 
 def registered_version(uri: str) -> tuple[str, str] | None:

@@ -92,6 +92,7 @@ from pipeline.training.sequences import build_sequences
 from pipeline.training.diagnostics import account_inputs
 model = load_model("models:/txsentinel@champion")
 assert 0 < model.meta["threshold"] < 1
+assert model.meta["model_version"] == "models:/txsentinel/{result.version}"  # what its scores will carry
 assert set(model.spec.drift_reference) == set(model.spec.names)  # what live drift is measured against
 assert abs(sum(model.meta["score_reference"]["proportions"]) - 1) < 1e-9
 frame = read_dataset("data")
