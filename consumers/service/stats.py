@@ -47,8 +47,12 @@ class ServeStats:
 def model_info(model: LoadedModel) -> dict[str, str]:
     """The labels of txsentinel_model_info: registered name and version (empty for a run URI or a directory),
     detector, feature version and the URI the service was given."""
+    # load_model pins an alias to its version in meta: naming that one asks the registry nothing, and names
+    # what is served even if the alias has moved since
+    pinned = str(model.meta.get("model_version", ""))
+    uri = pinned if pinned.startswith("models:/") else model.source
     try:
-        name, version = registered_version(model.source) or ("", "")
+        name, version = registered_version(uri) or ("", "")
     except Exception as error:  # a label of a metric is not worth failing the start for
         log.warning("model info: the registered version of %s is unknown error=%r", model.source, error)
         name, version = "", ""
