@@ -29,9 +29,13 @@ from kafka.structs import TopicPartition
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 5.0
-# Fetch sizes of a reader that restores whole partitions: fewer, larger fetches (kafka-python's defaults
-# are 1 MB a partition, 50 MB a fetch: a round trip per ~600 LSTM states)
-RESTORE_FETCH = {"max_partition_fetch_bytes": 16 * 1024 * 1024, "fetch_max_bytes": 64 * 1024 * 1024}
+# Fetch sizes of a reader that restores whole partitions: larger per partition than kafka-python's 1 MB
+# (a round trip per ~600 LSTM states), but responses of at most 8 MB in all, not its 50 MB. A response's
+# buffers then stay under glibc's 32 MB mmap ceiling and are reused from the heap, fetch after fetch; larger
+# ones are mapped afresh and faulted in page by page each time. 100,000 linear-Transformer states from 10
+# partitions: 0.35-0.46M page faults and 6.6-6.8 s of CPU, against 1.2-1.3M and 8.0-8.7 s with 16 MB / 64 MB
+# (docs/benchmarks.md, "Restore").
+RESTORE_FETCH = {"max_partition_fetch_bytes": 4 * 1024 * 1024, "fetch_max_bytes": 8 * 1024 * 1024}
 
 
 class PositionLostError(RuntimeError):
