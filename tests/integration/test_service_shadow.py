@@ -1,6 +1,7 @@
 """A shadow challenger against the project's real Kafka broker (no mocks): both models step every event in
 one transaction, the challenger never alerts, and promoting it (restart with it as the model) continues from
-the states it built in shadow, scoring exactly what it would have scored alone."""
+the states it built in shadow, scoring exactly what it would have scored alone; a restart with the challenger
+still in shadow restores both models' states."""
 
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ def test_promoted_shadow_scores_as_the_challenger_alone(kafka_bootstrap, frame, 
     champion, challenger = models
     events = transactions_from_frame(frame)
     msgs, n = messages(events), len(events)
-    first = 2 * n // 3
+    first, second = n // 2, 3 * n // 4
     alone = Scorer(load_model(challenger), reasons=0).score(events)  # the challenger from the start
-    served = Scorer(load_model(champion), reasons=0).score(events[:first])
+    served = Scorer(load_model(champion), reasons=0).score(events[:second])
     with prefixed_configs(kafka_bootstrap, "shd", **FAST) as make:
         cfg = make(max_poll_records=50)
         create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=2)
@@ -62,24 +63,37 @@ def test_promoted_shadow_scores_as_the_challenger_alone(kafka_bootstrap, frame, 
         both.stop()
 
         scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
-        assert_same_scores(assert_exactly_once(scores, events[:first]), served)
+        assert_same_scores(assert_exactly_once(scores, events[:first]), served[:first])
         by_event = assert_exactly_once(shadow_scores, events[:first])
         assert_same_scores(by_event, alone[:first])
         assert {s["model_version"] for s in shadow_scores} == {"challenger-2"}
         alerts = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("alerts"))]
-        assert len(alerts) == sum(r.alert for r in served)  # the champion's alerts only
+        assert len(alerts) == sum(r.alert for r in served[:first])  # the champion's alerts only
         assert all(a["model_version"] == "champion-1" for a in alerts)
         fingerprint = Scorer(load_model(challenger), reasons=0).model_fingerprint
         states = read_committed(kafka_bootstrap, shadow_changelog(cfg, fingerprint))
         assert {r.key.decode() for r in states} == {t.account_id for t in events[:first]}
 
+        # A restart with the challenger still in shadow reads both changelogs back: each model goes on
+        # from its own states, as if it had never stopped.
+        produce(kafka_bootstrap, cfg.topic("transactions"), msgs[first:second])
+        again = Running(cfg, champion, kafka_bootstrap, shadow=challenger)
+        wait_for_scores(kafka_bootstrap, cfg.topic("scores"), second, again, timeout_s=180)
+        shadow_scores = wait_for_scores(
+            kafka_bootstrap, cfg.topic("shadow_scores"), second, again, timeout_s=60
+        )
+        again.stop()
+        scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
+        assert_same_scores(assert_exactly_once(scores, events[:second]), served)
+        assert_same_scores(assert_exactly_once(shadow_scores, events[:second]), alone[:second])
+
         # Promotion: the challenger is the model now; it restores the states it built in shadow.
-        produce(kafka_bootstrap, cfg.topic("transactions"), msgs[first:])
+        produce(kafka_bootstrap, cfg.topic("transactions"), msgs[second:])
         _, stats = serve_until(cfg, challenger, kafka_bootstrap, n, timeout_s=180)
-        assert stats.restored_states == len({t.account_id for t in events[:first]})
+        assert stats.restored_states == len({t.account_id for t in events[:second]})
         scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
         after = [s for s in scores if s["model_version"] == "challenger-2"]
-        assert_same_scores(assert_exactly_once(after, events[first:]), alone[first:])
+        assert_same_scores(assert_exactly_once(after, events[second:]), alone[second:])
 
         # The live comparison joins both score topics with the labels that have arrived.
         fraud = {t.event_id: i % 10 == 0 for i, t in enumerate(events)}  # any labels do: the join is checked
@@ -99,8 +113,8 @@ def test_promoted_shadow_scores_as_the_challenger_alone(kafka_bootstrap, frame, 
             "served",
             n,
             "shadow",
-            first,
+            second,
         )
         assert shadow["model_version"] == "challenger-2"
-        assert shadow["frauds"] == sum(fraud[t.event_id] for t in events[:first]) > 0
+        assert shadow["frauds"] == sum(fraud[t.event_id] for t in events[:second]) > 0
         assert 0 <= shadow["ap"] <= 1 and 0 <= shadow["cp_at_5"] <= 1
