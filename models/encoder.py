@@ -13,7 +13,8 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
 
 class EventEncoder(nn.Module):
     """One event [..., F] -> [..., d_model]: numeric columns projected (plus the terminal bucket's embedding
-    where the config has one), normed.
+    where the config has one), normed, then (config.encoder_ffn) h + FFN(h), a per-event MLP in front of the
+    sequence layers.
 
     The last input column holds the terminal bucket index as a float, checked to be in range whether or not
     it is embedded; the others are normalised features, clamped to [-input_clip, input_clip] first so an
@@ -30,6 +31,9 @@ class EventEncoder(nn.Module):
         if self.embeds_terminal:
             self.terminal = nn.Embedding(config.terminal_buckets, config.d_model)
         self.norm = nn.LayerNorm(config.d_model)
+        self.ffn = (
+            FeedForward(config.d_model, 4 * config.d_model, config.dropout) if config.encoder_ffn else None
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.numeric(x[..., :-1].clamp(-self.clip, self.clip))
@@ -45,7 +49,8 @@ class EventEncoder(nn.Module):
                 h = h + self.terminal(bucket)
             except IndexError:
                 raise self._bad_bucket(bucket) from None
-        return self.norm(h)
+        h = self.norm(h)
+        return h if self.ffn is None else h + self.ffn(h)
 
     def _out_of_range(self, bucket: Tensor) -> Tensor:
         return (bucket < 0) | (bucket >= self.buckets)

@@ -126,3 +126,31 @@ def test_a_linear_transformer_config_saved_before_decay_existed_rebuilds_an_unde
     x = random_events(decayed, 2, 20, seed=2)
     with torch.no_grad():  # the same weights, another detector: the decay is in use
         assert (old.double()(x)[0] - decayed(x)[0]).abs().max().item() > 1e-3
+
+
+# Fingerprints of the default configs as released before `encoder_ffn` existed: the state records those
+# detectors wrote carry them, and must still load.
+RELEASED_FINGERPRINTS = {
+    "lstm": "4f2154e5758e9432",
+    "linear_transformer": "3df8269f934ae89c",
+    "transformer": "1f6f36833fe1fe2c",
+    "hybrid": "ce600a4e1c05570a",
+}
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+def test_an_encoder_ffn_keeps_the_contract_and_configs_without_it_their_fingerprint(name):
+    config_type = config_class(name)
+    released = config_type(encoder_ffn=False)
+    assert released.fingerprint().hex() == RELEASED_FINGERPRINTS[name]
+    saved = released.to_dict()
+    del saved["encoder_ffn"]  # a config saved before the field existed rebuilds the detector it described
+    assert config_type.from_dict(saved) == released
+    assert config_type(encoder_ffn=True).fingerprint() != released.fingerprint()
+
+    torch.manual_seed(0)
+    detector = build_detector(name, config_type.tiny(encoder_ffn=True).to_dict()).double()
+    x = random_events(detector, 3, 12)
+    assert step_vs_forward_error(detector, x) < 1e-9
+    plain = build_detector(name, config_type.tiny(encoder_ffn=False).to_dict())
+    assert sum(p.numel() for p in detector.parameters()) > sum(p.numel() for p in plain.parameters())
