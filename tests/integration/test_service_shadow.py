@@ -54,15 +54,20 @@ def test_promoted_shadow_scores_as_the_challenger_alone(kafka_bootstrap, frame, 
     with prefixed_configs(kafka_bootstrap, "shd", **FAST) as make:
         cfg = make(max_poll_records=50)
         create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=2)
-        produce(kafka_bootstrap, cfg.topic("transactions"), msgs[:first])
-        both = Running(cfg, champion, kafka_bootstrap, shadow=challenger)
-        wait_for_scores(kafka_bootstrap, cfg.topic("scores"), first, both, timeout_s=180)
-        shadow_scores = wait_for_scores(
-            kafka_bootstrap, cfg.topic("shadow_scores"), first, both, timeout_s=60
-        )
-        both.stop()
 
-        scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
+        def serve_both(count: int) -> tuple[list[dict], list[dict]]:
+            """Champion and challenger in shadow until both scored `count` events: (scores, shadow scores)."""
+            running = Running(cfg, champion, kafka_bootstrap, shadow=challenger)
+            wait_for_scores(kafka_bootstrap, cfg.topic("scores"), count, running, timeout_s=180)
+            shadow = wait_for_scores(
+                kafka_bootstrap, cfg.topic("shadow_scores"), count, running, timeout_s=60
+            )
+            running.stop()
+            served = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
+            return served, shadow
+
+        produce(kafka_bootstrap, cfg.topic("transactions"), msgs[:first])
+        scores, shadow_scores = serve_both(first)
         assert_same_scores(assert_exactly_once(scores, events[:first]), served[:first])
         by_event = assert_exactly_once(shadow_scores, events[:first])
         assert_same_scores(by_event, alone[:first])
@@ -77,13 +82,7 @@ def test_promoted_shadow_scores_as_the_challenger_alone(kafka_bootstrap, frame, 
         # A restart with the challenger still in shadow reads both changelogs back: each model goes on
         # from its own states, as if it had never stopped.
         produce(kafka_bootstrap, cfg.topic("transactions"), msgs[first:second])
-        again = Running(cfg, champion, kafka_bootstrap, shadow=challenger)
-        wait_for_scores(kafka_bootstrap, cfg.topic("scores"), second, again, timeout_s=180)
-        shadow_scores = wait_for_scores(
-            kafka_bootstrap, cfg.topic("shadow_scores"), second, again, timeout_s=60
-        )
-        again.stop()
-        scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
+        scores, shadow_scores = serve_both(second)
         assert_same_scores(assert_exactly_once(scores, events[:second]), served)
         assert_same_scores(assert_exactly_once(shadow_scores, events[:second]), alone[:second])
 
