@@ -21,9 +21,10 @@ def test_demo_trains_promotes_serves_and_scores_every_streamed_event(
         max_epochs=1,
         stream_days=1,
         stream_events_per_s=500,
-        # ~260 streamed events: the default budget (0.5% of a day's events) expects ~1.3 alerts, none a
-        # quarter of the time; 2% expects ~5, so the alerts with their reasons are there to check
-        alert_share=0.02,
+        # One streamed day of ~260 events, scored by models trained for one epoch: their top scores move from
+        # day to day by more than a small budget's margin (5 alerts a day, chosen on the validation week, gave
+        # none on the streamed day in most seeds); a budget of 20% of a day's events leaves alerts to check.
+        alert_share=0.2,
         workdir=tmp_path,
         bootstrap_servers=kafka_bootstrap,
     )
@@ -48,4 +49,10 @@ def test_demo_trains_promotes_serves_and_scores_every_streamed_event(
     for model in ("lstm", "linear_transformer", "transformer", "logreg", "isolation_forest"):
         assert model in out
     assert (tmp_path / "comparison" / "comparison.csv").exists()
-    assert "restore done" in (tmp_path / "serve.log").read_text()
+    served = (tmp_path / "serve.log").read_text()
+    assert "restore done" in served
+    # the warm start seeded the terminal-risk table too, and the service read what was seeded
+    seeded = int(
+        re.search(r"account states and ([\d,]+) terminal states seeded", out).group(1).replace(",", "")
+    )
+    assert seeded > 0 and re.search(rf"terminal table read .* terminals={seeded} ", served)

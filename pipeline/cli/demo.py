@@ -6,9 +6,9 @@
    registered in a local MLflow store;
 4. promote the sequence detector with the best validation AP to `champion` and the second best to
    `challenger`, print the comparison table;
-5. start `txsentinel serve` with the champion and the challenger in shadow (both warm from the history) and
-   wait for its /readyz, stream the test period's transactions (and their labels, on their own topic)
-   through Kafka at a steady rate, and show live progress;
+5. start `txsentinel serve` with the champion and the challenger in shadow (both, and the terminal-risk
+   table, warm from the history) and wait for its /readyz, stream the test period's transactions (and their
+   labels, on their own topic) through Kafka at a steady rate, and show live progress;
 6. on the running service (demo_live.py): the two models compared on the live stream, three alerts with
    their reasons, one monitor check;
 7. summarise: events scored, alerts, precision of the alerts against the known labels, latency, and where
@@ -41,6 +41,7 @@ from consumers.scoring.messages import Label, Transaction, encode_label, encode_
 from consumers.scoring.scorer import Scorer
 from consumers.service.loop import ensure_topics
 from consumers.service.shadow import ensure_shadow_topics, shadow_changelog
+from consumers.terminals.table import Positions, flush_records
 from pipeline.bench.broker import project_broker
 from pipeline.cli.commands import run_generate
 from pipeline.cli.demo_live import print_alerts, print_live_comparison, print_monitor
@@ -136,17 +137,23 @@ def _prepare_topics(bootstrap: str, prefix: str) -> None:
         admin.close()
 
 
-def _seed_states(bootstrap: str, prefix: str, history: pl.DataFrame, shadow: bool) -> int:
+def _seed_states(bootstrap: str, prefix: str, history: pl.DataFrame, shadow: bool) -> tuple[int, int]:
     """Warm start: the champion (and, with `shadow`, the challenger beside it) replays the history before the
     stream (the same Scorer the service runs) and each account's state goes to the changelog partition its
-    transactions will use, the challenger's to its own changelog, so the service restores both on
-    assignment, as if it had scored that history itself. Terminal state is not seeded."""
+    transactions will use, the challenger's to its own changelog, and every terminal's state to the terminal
+    table, so the service restores all of them on assignment, as if it had scored that history itself.
+    The table's positions are the start of `labels` and `terminal-deltas`: the history's labels known before
+    the stream are in the replayed state, the later ones arrive on `labels` with the stream."""
     challenger = load_model("models:/txsentinel@challenger") if shadow else None
     scorer = Scorer(load_model("models:/txsentinel@champion"), shadow=challenger)
     scorer.replay(history)
     serve_cfg = _serve_config(prefix)
     accounts = history["account_id"].unique().to_list()
     records = {serve_cfg.topic("changelog"): scorer.account_states_bytes(accounts)}
+    terminals = scorer.featurizer.terminals
+    table = flush_records(
+        terminals, list(terminals), Positions(), serve_cfg.topic("labels"), serve_cfg.topic("terminal_deltas")
+    )
     if scorer.shadow is not None:
         changelog = shadow_changelog(serve_cfg, scorer.shadow.model_fingerprint)
         ensure_shadow_topics(serve_cfg, bootstrap, changelog, serve_cfg.transactions_partitions)
@@ -163,9 +170,11 @@ def _seed_states(bootstrap: str, prefix: str, history: pl.DataFrame, shadow: boo
                 # Kafka's default partitioner, as the producer of `transactions` applies it to the same key.
                 partition=partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)],
             )
+    for terminal, record in table:  # one partition; the positions record last, as the table's writer does
+        producer.send(serve_cfg.topic("terminal_table"), key=terminal.encode(), value=record, partition=0)
     producer.flush()
     producer.close()
-    return len(accounts)
+    return len(accounts), len(terminals)
 
 
 def _serve_process(bootstrap: str, prefix: str, env: dict, log, port: int, shadow: bool) -> subprocess.Popen:
@@ -339,7 +348,8 @@ def run_demo(cfg: DemoConfig) -> int:
             both = "the champion and the challenger replay" if shadow else "the champion replays"
             _stage(f"warm start: {both} {history.height:,} past events into their state changelogs")
             _prepare_topics(bootstrap, prefix)
-            print(f"{_seed_states(bootstrap, prefix, history, shadow):,} account states seeded")
+            accounts, terminals = _seed_states(bootstrap, prefix, history, shadow)
+            print(f"{accounts:,} account states and {terminals:,} terminal states seeded")
 
             _stage(
                 f"serve the champion{' with the challenger in shadow' if shadow else ''} and stream "
