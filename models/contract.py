@@ -63,8 +63,11 @@ class DetectorConfig:
                         f"{type(self).__name__}.{field.name} = {value!r}: expected a number"
                     ) from None
                 object.__setattr__(self, field.name, value)
-            if field.type is int and (not isinstance(value, int) or value < 1):
+            if field.type is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected an integer >= 1")
+            # A switch must be a bool: the string "false" (a hand-written JSON config) would be truthy.
+            if field.type is bool and not isinstance(value, bool):
+                raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected true or false")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{type(self).__name__}.dropout = {self.dropout!r}: expected 0 <= dropout < 1")
         if not self.input_clip > 0:

@@ -56,6 +56,10 @@ def test_mistakes_raise_errors_that_say_what_to_do():
         config_class("transformer")(d_model=10)
     with pytest.raises(ValueError, match=r"num_layers = 0: expected an integer >= 1"):
         config_class("lstm")(num_layers=0)
+    with pytest.raises(ValueError, match=r"num_layers = True: expected an integer >= 1"):
+        config_class("lstm")(num_layers=True)
+    with pytest.raises(ValueError, match=r"LSTMConfig.encoder_ffn = 'false': expected true or false"):
+        config_class("lstm").from_dict({"encoder_ffn": "false"})
 
 
 @pytest.mark.parametrize("name", DETECTORS)
