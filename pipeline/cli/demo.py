@@ -346,7 +346,9 @@ def run_demo(cfg: DemoConfig) -> int:
             prefix = f"demo-{cfg.run_id}-"
             shadow = challenger is not None
             both = "the champion and the challenger replay" if shadow else "the champion replays"
-            _stage(f"warm start: {both} {history.height:,} past events into their state changelogs")
+            _stage(
+                f"warm start: {both} {history.height:,} past events into their state changelogs and the terminal table"
+            )
             _prepare_topics(bootstrap, prefix)
             accounts, terminals = _seed_states(bootstrap, prefix, history, shadow)
             print(f"{accounts:,} account states and {terminals:,} terminal states seeded")
