@@ -56,3 +56,23 @@ def test_a_count_of_devices_or_machines_below_one_is_refused_with_its_name(setti
     name, _, value = setting.partition("=")
     with pytest.raises(ValueError, match=rf"train config: {name} = {value}, expected an integer >= 1"):
         load_train_config(tmp_path, None, [setting])
+
+
+@pytest.mark.parametrize(
+    "model, hybrid_base, expected",
+    [
+        ("transformer", "linear_transformer", 1e-3),
+        ("linear_transformer", "linear_transformer", 2e-3),
+        ("lstm", "linear_transformer", 2e-3),
+        ("hybrid", "transformer", 1e-3),  # a hybrid's base trains at the base's rate
+        ("hybrid", "lstm", 2e-3),
+    ],
+)
+def test_each_detector_trains_at_its_own_learning_rate_unless_one_is_given(
+    tmp_path, model, hybrid_base, expected
+):
+    base = [f"hybrid_base={hybrid_base}"]
+    assert load_train_config(tmp_path, None, base, model=model).learning_rate == expected
+    assert load_train_config(tmp_path, None, [*base, "learning_rate=5e-4"], model=model).learning_rate == 5e-4
+    quick = load_train_config(tmp_path, QUICK_PROFILE, base, model=model)
+    assert quick.learning_rate == 0.005  # the profile's rate, for every detector
