@@ -80,10 +80,15 @@ class TrainConfig:
             bases = [m for m in SEQUENCE_MODELS if m != "hybrid"]
             raise ValueError(f"train config: hybrid_base = {self.hybrid_base!r}, expected one of {bases}")
         if self.learning_rate is None:  # frozen: resolved once, so the run logs the rate it trained at
-            detector = self.hybrid_base if self.model == "hybrid" else self.model
-            object.__setattr__(self, "learning_rate", LEARNING_RATES.get(detector, DEFAULT_LEARNING_RATE))
+            rate = LEARNING_RATES.get(self.trained_detector, DEFAULT_LEARNING_RATE)
+            object.__setattr__(self, "learning_rate", rate)
         if self.learning_rate <= 0:
             raise ValueError(f"train config: learning_rate = {self.learning_rate!r}, expected > 0")
+
+    @property
+    def trained_detector(self) -> str:
+        """The detector Lightning trains: the model itself, or under a hybrid its base (its trees come after)."""
+        return self.hybrid_base if self.model == "hybrid" else self.model
 
 
 def _coerce(name: str, value: Any) -> Any:

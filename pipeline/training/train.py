@@ -136,7 +136,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         seed=cfg.seed,
     )
     # A hybrid trains its base detector first, then its trees (pipeline/training/hybrid_head.py).
-    base = cfg.hybrid_base if cfg.model == HybridDetector.name else cfg.model
+    base = cfg.trained_detector
     model_config = config_class(base)(
         **{
             **config_class(base)().to_dict(),
