@@ -6,6 +6,7 @@ this file is about the run.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,10 @@ class TrainConfig:
         if self.learning_rate is None:  # frozen: resolved once, so the run logs the rate it trained at
             rate = LEARNING_RATES.get(self.trained_detector, DEFAULT_LEARNING_RATE)
             object.__setattr__(self, "learning_rate", rate)
-        if self.learning_rate <= 0:
-            raise ValueError(f"train config: learning_rate = {self.learning_rate!r}, expected > 0")
+        if not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
+            raise ValueError(
+                f"train config: learning_rate = {self.learning_rate!r}, expected a finite number > 0"
+            )
 
     @property
     def trained_detector(self) -> str:

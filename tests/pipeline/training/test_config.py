@@ -76,3 +76,9 @@ def test_each_detector_trains_at_its_own_learning_rate_unless_one_is_given(
     assert load_train_config(tmp_path, None, [*base, "learning_rate=5e-4"], model=model).learning_rate == 5e-4
     quick = load_train_config(tmp_path, QUICK_PROFILE, base, model=model)
     assert quick.learning_rate == 0.005  # the profile's rate, for every detector
+
+
+@pytest.mark.parametrize("rate", ["0", "-1e-3", "nan", "inf"])
+def test_a_learning_rate_that_is_not_a_finite_positive_number_is_refused_with_its_value(rate, tmp_path):
+    with pytest.raises(ValueError, match=r"train config: learning_rate = .*, expected a finite number > 0"):
+        load_train_config(tmp_path, None, [f"learning_rate={rate}"])
