@@ -56,6 +56,9 @@ class TrainConfig:
     gradient_clip: float = 1.0
     pos_weight: float | None = None  # None: sqrt(legit / fraud) over the training targets
     early_stopping_patience: int = 3
+    # Epochs of self-supervised next-event prediction over every event before the validation week, labels
+    # unused, before the fraud objective (pipeline/training/pretraining.py); 0: none.
+    pretrain_epochs: int = 0
 
     accelerator: str = "cpu"
     devices: int = 1  # per machine; more than one in all (devices x num_nodes) trains with DDP
@@ -77,6 +80,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train config: {name} = {value!r}, expected an integer >= 1")
+        if not isinstance(self.pretrain_epochs, int) or self.pretrain_epochs < 0:
+            raise ValueError(
+                f"train config: pretrain_epochs = {self.pretrain_epochs!r}, expected an integer >= 0"
+            )
         if self.hybrid_base not in SEQUENCE_MODELS or self.hybrid_base == "hybrid":
             bases = [m for m in SEQUENCE_MODELS if m != "hybrid"]
             raise ValueError(f"train config: hybrid_base = {self.hybrid_base!r}, expected one of {bases}")

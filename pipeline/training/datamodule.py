@@ -122,7 +122,7 @@ class HistoryDataModule(pl.LightningDataModule):
     def __init__(
         self,
         train: tuple[AccountSequences, Window],
-        validation: tuple[AccountSequences, Window],
+        validation: tuple[AccountSequences, Window] | None,
         test: tuple[AccountSequences, Window] | None,
         batch_accounts: int,
         chunk_events: int,

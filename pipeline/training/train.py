@@ -22,6 +22,7 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.loggers import MLFlowLogger
 
+from models.contract import RecurrentDetector
 from models.hybrid import HybridDetector
 from models.registry import REGISTRY, build_detector, config_class
 from pipeline.data.splits import Period, Split
@@ -41,6 +42,7 @@ from pipeline.training.diagnostics import (
 from pipeline.training.hybrid_head import fit_hybrid
 from pipeline.training.module import DetectorModule
 from pipeline.training.prepared import prepare
+from pipeline.training.pretraining import NextEventModule, pretrain
 from pipeline.training.sequences import AccountSequences
 from pipeline.training.thresholds import Threshold, choose_threshold
 
@@ -63,19 +65,29 @@ def _pos_weight(seqs: AccountSequences, window: Window, given: float | None) -> 
 
 def _trainer(cfg: TrainConfig) -> pl_lightning.Trainer:
     """A Trainer that knows its global rank; rank 0 gives it the logger and the checkpoint directory."""
-    on_gpu = cfg.accelerator in ("gpu", "cuda")
-    precision = cfg.precision or ("bf16-mixed" if on_gpu else "32-true")
     # No dirpath yet: rank 0 sets it once its run exists, and Lightning hands it to the other ranks.
     checkpoint = ModelCheckpoint(monitor="val/ap", mode="max", save_top_k=1)
+    early_stopping = EarlyStopping("val/ap", mode="max", patience=cfg.early_stopping_patience)
+    return _lightning_trainer(cfg, cfg.max_epochs, callbacks=[early_stopping, checkpoint])
+
+
+def _pretrainer(cfg: TrainConfig) -> pl_lightning.Trainer:
+    """The next-event pretraining's Trainer: `pretrain_epochs`, no validation, no checkpoint."""
+    return _lightning_trainer(
+        cfg, cfg.pretrain_epochs, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0
+    )
+
+
+def _lightning_trainer(cfg: TrainConfig, epochs: int, **settings: Any) -> pl_lightning.Trainer:
+    on_gpu = cfg.accelerator in ("gpu", "cuda")
     return pl_lightning.Trainer(
-        max_epochs=cfg.max_epochs,
+        max_epochs=epochs,
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         strategy="ddp" if cfg.devices * cfg.num_nodes > 1 else "auto",
-        precision=precision,
+        precision=cfg.precision or ("bf16-mixed" if on_gpu else "32-true"),
         gradient_clip_val=cfg.gradient_clip,
-        callbacks=[EarlyStopping("val/ap", mode="max", patience=cfg.early_stopping_patience), checkpoint],
         logger=False,
         use_distributed_sampler=False,  # chunks of a group must stay in order; the data module shards groups
         reload_dataloaders_every_n_epochs=1,  # a new group order every epoch
@@ -83,6 +95,7 @@ def _trainer(cfg: TrainConfig) -> pl_lightning.Trainer:
         enable_model_summary=False,
         log_every_n_steps=10,
         deterministic=False,
+        **settings,
     )
 
 
@@ -157,6 +170,10 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     trainer = _trainer(cfg)
     with _rank_zero_run(trainer, cfg, model_config.to_dict(), split, validation) as run_id:
+        if cfg.pretrain_epochs:
+            module.detector = _pretrained(
+                module.detector, cfg, train_seqs, windows["validation"], trainer.logger
+            )
         trainer.fit(module, datamodule=data)
         best = trainer.checkpoint_callback.best_model_path
         if best:
@@ -212,6 +229,31 @@ def train(cfg: TrainConfig) -> TrainResult:
         f"{train_seconds:.0f} s"
     )
     return TrainResult(run_id, cfg.model, model_uri, version, results)
+
+
+def _pretrained(
+    detector: RecurrentDetector,
+    cfg: TrainConfig,
+    seqs: AccountSequences,
+    validation: Window,
+    logger: MLFlowLogger | None,
+) -> RecurrentDetector:
+    """`detector` after cfg.pretrain_epochs of next-event prediction over every event before `validation`."""
+    everything_before = Window(np.iinfo(np.int64).min, validation.start_us)
+    data = HistoryDataModule(
+        train=(seqs, everything_before),
+        validation=None,
+        test=None,
+        batch_accounts=cfg.batch_accounts,
+        chunk_events=cfg.chunk_events,
+        num_workers=cfg.num_workers,
+        seed=cfg.seed,
+    )
+    module = NextEventModule(detector, cfg.learning_rate, cfg.weight_decay, cfg.warmup_steps)
+    trainer = _pretrainer(cfg)
+    if logger is not None:  # rank 0 logs pretrain/loss to the run
+        trainer.logger = logger
+    return pretrain(module, trainer, data)
 
 
 def _threshold(val_logits: np.ndarray, seqs: AccountSequences, budget_per_day: float) -> Threshold:

@@ -51,6 +51,15 @@ def test_numbers_written_with_an_exponent_are_numbers(tmp_path):
         config_class("lstm")(input_clip="wide")
 
 
+@pytest.mark.parametrize("value", ["-1", "1.5"])
+def test_pretraining_epochs_below_zero_or_fractional_are_refused_with_the_value(value, tmp_path):
+    with pytest.raises(
+        ValueError, match=rf"train config: pretrain_epochs = {value}, expected an integer >= 0"
+    ):
+        load_train_config(tmp_path, None, [f"pretrain_epochs={value}"])
+    assert load_train_config(tmp_path, None, ["pretrain_epochs=0"]).pretrain_epochs == 0
+
+
 @pytest.mark.parametrize("setting", ["devices=0", "num_nodes=0", "num_nodes=1.5"])
 def test_a_count_of_devices_or_machines_below_one_is_refused_with_its_name(setting, tmp_path):
     name, _, value = setting.partition("=")

@@ -138,6 +138,24 @@ def test_hybrid_trains_its_base_then_its_trees_and_registers_one_model(tracking)
 
 
 @pytest.mark.slow
+def test_a_pretrained_run_learns_the_next_event_then_trains_and_registers_as_any_other(tracking):
+    cfg = config(
+        tracking,
+        "linear_transformer",
+        "pretrain_epochs=3",
+        "model_config.d_model=8",
+        "model_config.num_layers=1",
+    )
+    result = train(cfg)
+    history = mlflow.MlflowClient().get_metric_history(result.run_id, "pretrain/loss")
+    losses = [m.value for m in sorted(history, key=lambda m: m.step)]
+    assert len(losses) >= 3 and losses[-1] < 0.8 * losses[0]
+    assert mlflow.get_run(result.run_id).data.params["pretrain_epochs"] == "3"
+    assert result.metrics["test/parallel_vs_recurrent_max_abs"] < 1e-4
+    assert 0.5 < result.metrics["test/auc"] <= 1.0
+
+
+@pytest.mark.slow
 def test_baseline_logs_the_same_test_metrics_to_the_same_experiment(tracking):
     result = train(config(tracking, "logreg"))
     assert {"test/auc", "test/ap", "test/cp_at_100"} <= set(result.metrics)
