@@ -55,11 +55,12 @@ class NextEventModule(DetectorModule):
         config = detector.config
         self.clip = float(config.input_clip)
         self.next_event = NextEventHead(config.d_model, config.num_features)
-        # The score head steps aside (kept here, untrained) while the next-event head stands in for it.
-        self.score_head, detector.head = detector.head, self.next_event
+        # The score head steps aside while the next-event head stands in for it. Kept in a tuple, outside
+        # the module's parameters: no optimiser step touches it, and DDP does not wait for its gradients.
+        self._score_head, detector.head = (detector.head,), self.next_event
 
     def restore_score_head(self) -> RecurrentDetector:
-        self.detector.head = self.score_head
+        (self.detector.head,) = self._score_head
         return self.detector
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[3]
 # 39 accounts take part; 3 a batch make 13 groups, so the second rank sits out the last round on padding.
 SETTINGS = [
     "max_epochs=2",  # the second epoch's shuffled order must match as well
+    "pretrain_epochs=1",  # next-event pretraining goes through the same rounds and the same normalisation
     "chunk_events=16",
     "test_days=5",
     "delay_days=2",
