@@ -99,6 +99,16 @@ def _lightning_trainer(cfg: TrainConfig, epochs: int, **settings: Any) -> pl_lig
     )
 
 
+class RunLogger(MLFlowLogger):
+    """Lightning's MLflow logger for a run that `mlflow.start_run` owns. Lightning finalizes its logger at the end
+    of every fit, validate and test, and MLFlowLogger then marks the run FINISHED: after pretraining, the run
+    would read as done while the detector still trained. The run's context closes it (FINISHED, or FAILED on an
+    error)."""
+
+    def finalize(self, status: str = "success") -> None:
+        pass
+
+
 @contextlib.contextmanager
 def _rank_zero_run(
     trainer: pl_lightning.Trainer, cfg: TrainConfig, detector_config: dict, split: Split, validation: Period
@@ -122,9 +132,7 @@ def _rank_zero_run(
             }
         )
         mlflow.set_tags({"model_family": "sequence", "detector": cfg.model})
-        trainer.logger = MLFlowLogger(
-            experiment_name=cfg.experiment, tracking_uri=tracking_uri, run_id=run_id
-        )
+        trainer.logger = RunLogger(experiment_name=cfg.experiment, tracking_uri=tracking_uri, run_id=run_id)
         trainer.checkpoint_callback.dirpath = os.path.realpath(cfg.out_dir / run_id / "checkpoints")
         yield run_id
 
@@ -236,7 +244,7 @@ def _pretrained(
     cfg: TrainConfig,
     seqs: AccountSequences,
     validation: Window,
-    logger: MLFlowLogger | None,
+    logger: RunLogger | None,
 ) -> RecurrentDetector:
     """`detector` after cfg.pretrain_epochs of next-event prediction over every event before `validation`."""
     everything_before = Window(np.iinfo(np.int64).min, validation.start_us)

@@ -15,7 +15,7 @@ from pipeline.data.generate import GenerateConfig
 from pipeline.evaluation.plots import SCORES_ARTIFACT
 from pipeline.registry.tracking import load_model, promote
 from pipeline.training.config import load_train_config
-from pipeline.training.train import train
+from pipeline.training.train import RunLogger, train
 
 TINY = {"model_config": {"d_model": 8, "num_layers": 1, "dropout": 0.0}}
 
@@ -153,6 +153,18 @@ def test_a_pretrained_run_learns_the_next_event_then_trains_and_registers_as_any
     assert mlflow.get_run(result.run_id).data.params["pretrain_epochs"] == "3"
     assert result.metrics["test/parallel_vs_recurrent_max_abs"] < 1e-4
     assert 0.5 < result.metrics["test/auc"] <= 1.0
+
+
+def test_lightning_finalizing_its_logger_leaves_the_run_open_for_the_stages_after(tracking):
+    # Lightning finalizes the logger after each of pretraining, fit, validate and test; the run must stay RUNNING
+    # until train() is done with it, and close FINISHED (or FAILED) with its context.
+    mlflow.set_experiment("logger-lifetime")
+    with mlflow.start_run() as run:
+        logger = RunLogger(tracking_uri=mlflow.get_tracking_uri(), run_id=run.info.run_id)
+        logger.log_metrics({"pretrain/loss": 1.0}, step=0)
+        logger.finalize("success")
+        assert mlflow.get_run(run.info.run_id).info.status == "RUNNING"
+    assert mlflow.get_run(run.info.run_id).info.status == "FINISHED"
 
 
 @pytest.mark.slow
