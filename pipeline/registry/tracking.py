@@ -5,6 +5,7 @@ Default tracking store: SQLite `mlflow.db` in the working directory (browse it w
 `mlflow ui --backend-store-uri sqlite:///mlflow.db`); MLFLOW_TRACKING_URI points anywhere else.
 """
 
+import fcntl
 import importlib.metadata
 import os
 from pathlib import Path
@@ -25,7 +26,23 @@ def configure_tracking() -> str:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
     mlflow.set_tracking_uri(uri)
+    _open_sqlite_store_once(uri)
     return uri
+
+
+def _open_sqlite_store_once(uri: str) -> None:
+    """Open a SQLite store under a lock file beside it (`mlflow.db.lock`). MLflow creates and migrates a new
+    store's tables on first use, unguarded: two jobs opening a new store at once (two `train` runs started
+    together) both migrate it, fail with "table ... already exists", and leave it unusable. Under the lock the
+    first opener creates the tables and the others find them; a store that exists costs one query."""
+    if not uri.startswith("sqlite:///"):
+        return  # a server or another database: its own service creates its schema
+    path = uri.removeprefix("sqlite:///").split("?", 1)[0]  # sqlite:////abs -> /abs, sqlite:///rel -> rel
+    if not path or path == ":memory:":
+        return
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        MlflowClient(uri).search_experiments(max_results=1)
 
 
 def _find_model_dir(root: Path) -> Path:
