@@ -6,6 +6,7 @@ Default tracking store: SQLite `mlflow.db` in the working directory (browse it w
 """
 
 import fcntl
+import functools
 import importlib.metadata
 import os
 from pathlib import Path
@@ -30,11 +31,12 @@ def configure_tracking() -> str:
     return uri
 
 
+@functools.cache  # once a process: configure_tracking runs before every registry call
 def _open_sqlite_store_once(uri: str) -> None:
     """Open a SQLite store under a lock file beside it (`mlflow.db.lock`). MLflow creates and migrates a new
     store's tables on first use, unguarded: two jobs opening a new store at once (two `train` runs started
     together) both migrate it, fail with "table ... already exists", and leave it unusable. Under the lock the
-    first opener creates the tables and the others find them; a store that exists costs one query."""
+    first opener creates the tables and the others find them; a store that exists costs one query a process."""
     if not uri.startswith("sqlite:///"):
         return  # a server or another database: its own service creates its schema
     path = uri.removeprefix("sqlite:///").split("?", 1)[0]  # sqlite:////abs -> /abs, sqlite:///rel -> rel
