@@ -76,14 +76,11 @@ class TrainConfig:
 
     def __post_init__(self):
         positive = ("chunk_events", "batch_accounts", "max_epochs", "test_days", "validation_days", "cp_k")
-        for name in (*positive, "devices", "num_nodes"):
+        at_least = {name: 1 for name in (*positive, "devices", "num_nodes")} | {"pretrain_epochs": 0}
+        for name, minimum in at_least.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"train config: {name} = {value!r}, expected an integer >= 1")
-        if not isinstance(self.pretrain_epochs, int) or self.pretrain_epochs < 0:
-            raise ValueError(
-                f"train config: pretrain_epochs = {self.pretrain_epochs!r}, expected an integer >= 0"
-            )
+            if not isinstance(value, int) or value < minimum:
+                raise ValueError(f"train config: {name} = {value!r}, expected an integer >= {minimum}")
         if self.hybrid_base not in SEQUENCE_MODELS or self.hybrid_base == "hybrid":
             bases = [m for m in SEQUENCE_MODELS if m != "hybrid"]
             raise ValueError(f"train config: hybrid_base = {self.hybrid_base!r}, expected one of {bases}")
