@@ -75,27 +75,53 @@ class TrainConfig:
     progress_bar: bool = True
 
     def __post_init__(self):
-        positive = ("chunk_events", "batch_accounts", "max_epochs", "test_days", "validation_days", "cp_k")
-        at_least = {name: 1 for name in (*positive, "devices", "num_nodes")} | {"pretrain_epochs": 0}
-        for name, minimum in at_least.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < minimum:
-                raise ValueError(f"train config: {name} = {value!r}, expected an integer >= {minimum}")
+        for name, minimum in _INTEGER_MINIMUMS.items():
+            if not (name in _OPTIONAL and getattr(self, name) is None):
+                _check_integer(name, getattr(self, name), minimum)
         if self.hybrid_base not in SEQUENCE_MODELS or self.hybrid_base == "hybrid":
             bases = [m for m in SEQUENCE_MODELS if m != "hybrid"]
             raise ValueError(f"train config: hybrid_base = {self.hybrid_base!r}, expected one of {bases}")
         if self.learning_rate is None:  # frozen: resolved once, so the run logs the rate it trained at
             rate = LEARNING_RATES.get(self.trained_detector, DEFAULT_LEARNING_RATE)
             object.__setattr__(self, "learning_rate", rate)
-        if not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
-            raise ValueError(
-                f"train config: learning_rate = {self.learning_rate!r}, expected a finite number > 0"
-            )
+        for name, (bound, inclusive) in _NUMBER_BOUNDS.items():
+            if not (name in _OPTIONAL and getattr(self, name) is None):
+                _check_number(name, getattr(self, name), bound, inclusive)
 
     @property
     def trained_detector(self) -> str:
         """The detector Lightning trains: the model itself, or under a hybrid its base (its trees come after)."""
         return self.hybrid_base if self.model == "hybrid" else self.model
+
+
+# The least value each integer setting takes (a bool is refused: YAML reads `yes` as True, which is 1).
+_INTEGER_MINIMUMS = {
+    **dict.fromkeys(("chunk_events", "batch_accounts", "max_epochs", "test_days", "validation_days"), 1),
+    **dict.fromkeys(("cp_k", "devices", "num_nodes", "train_days"), 1),
+    **dict.fromkeys(("delay_days", "warmup_steps", "early_stopping_patience", "pretrain_epochs"), 0),
+    **dict.fromkeys(("num_workers", "seed"), 0),
+}
+# Each number setting's bound, and whether the bound itself is allowed (gradient_clip 0: no clipping).
+_NUMBER_BOUNDS = {
+    "learning_rate": (0.0, False),
+    "pos_weight": (0.0, False),
+    "alert_budget_per_day": (0.0, False),
+    "weight_decay": (0.0, True),
+    "gradient_clip": (0.0, True),
+}
+_OPTIONAL = {"train_days", "pos_weight"}  # None: derived from the data (see the fields' comments)
+
+
+def _check_integer(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"train config: {name} = {value!r}, expected an integer >= {minimum}")
+
+
+def _check_number(name: str, value: Any, bound: float, inclusive: bool) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and (value >= bound if inclusive else value > bound)):
+        expected = f"{'>=' if inclusive else '>'} {bound:g}"
+        raise ValueError(f"train config: {name} = {value!r}, expected a finite number {expected}")
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -1,5 +1,7 @@
 """Train settings: defaults in code, profiles of what differs, and errors that name the file and the key."""
 
+import re
+
 import pytest
 import yaml
 
@@ -65,6 +67,35 @@ def test_a_count_of_devices_or_machines_below_one_is_refused_with_its_name(setti
     name, _, value = setting.partition("=")
     with pytest.raises(ValueError, match=rf"train config: {name} = {value}, expected an integer >= 1"):
         load_train_config(tmp_path, None, [setting])
+
+
+@pytest.mark.parametrize(
+    "setting, expected",
+    [
+        ("max_epochs=true", "max_epochs = True, expected an integer >= 1"),  # YAML's true is not 1 epoch
+        ("delay_days=-1", "delay_days = -1, expected an integer >= 0"),
+        ("train_days=0", "train_days = 0, expected an integer >= 1"),
+        ("early_stopping_patience=1.5", "early_stopping_patience = 1.5, expected an integer >= 0"),
+        ("seed=-3", "seed = -3, expected an integer >= 0"),
+        ("warmup_steps=no", "warmup_steps = False, expected an integer >= 0"),
+        ("weight_decay=-0.1", "weight_decay = -0.1, expected a finite number >= 0"),
+        ("gradient_clip=nan", "gradient_clip = nan, expected a finite number >= 0"),
+        ("pos_weight=0", "pos_weight = 0, expected a finite number > 0"),
+        ("alert_budget_per_day=inf", "alert_budget_per_day = inf, expected a finite number > 0"),
+        ("alert_budget_per_day=true", "alert_budget_per_day = True, expected a finite number > 0"),
+    ],
+)
+def test_a_setting_of_the_wrong_kind_or_out_of_range_is_refused_with_its_name_and_value(
+    setting, expected, tmp_path
+):
+    with pytest.raises(ValueError, match=f"train config: {re.escape(expected)}"):
+        load_train_config(tmp_path, None, [setting])
+
+
+def test_optional_settings_take_null_and_the_bounds_that_mean_off_are_allowed(tmp_path):
+    settings = ["train_days=null", "pos_weight=null", "gradient_clip=0", "weight_decay=0", "delay_days=0"]
+    cfg = load_train_config(tmp_path, None, settings)
+    assert (cfg.train_days, cfg.pos_weight, cfg.gradient_clip, cfg.weight_decay) == (None, None, 0, 0)
 
 
 @pytest.mark.parametrize(
