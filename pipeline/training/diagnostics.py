@@ -8,9 +8,11 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from models.contract import RecurrentDetector
-from models.parity import random_events, step_vs_forward_error
+from models.hybrid import HybridDetector
+from models.parity import random_events, step_through, step_vs_forward_error
 from models.state_codec import encode_account_state
 from pipeline.training.sequences import AccountSequences
 
@@ -23,14 +25,38 @@ def account_inputs(seqs: AccountSequences, account: int) -> torch.Tensor:
     return torch.from_numpy(x)  # [T, F + 1]
 
 
-def parallel_vs_recurrent_error(
+def parity_metrics(
     detector: RecurrentDetector, seqs: AccountSequences, accounts: int = 8
-) -> float:
-    """Max |forward - step-by-step| of the logits over the longest `accounts` held-out histories."""
-    detector.eval()
+) -> dict[str, float]:
+    """Does serving reproduce training, over the longest `accounts` held-out histories.
+
+    test/parallel_vs_recurrent_max_abs: max |forward - step-by-step| of the logits; for a hybrid, of its
+    base's, the recurrent part (its trees read one event at a time). The trees are piecewise constant in the
+    base score, so a base score within float error (~1e-6) of one of their split points lands in another leaf
+    on each path: test/hybrid_split_flips counts those events (a hybrid only; of order one in 10^4). The
+    service and the backtest both step, so they agree on every event; only the test metrics, which come from
+    forward, may score such an event otherwise.
+    """
     chosen = np.argsort(-seqs.lengths, kind="stable")[:accounts]
-    errors = [step_vs_forward_error(detector, account_inputs(seqs, int(a))[None]) for a in chosen]
-    return max(errors, default=0.0)
+    return parity_over(detector, [account_inputs(seqs, int(a))[None] for a in chosen])
+
+
+def parity_over(detector: RecurrentDetector, inputs: list[Tensor]) -> dict[str, float]:
+    """parity_metrics over histories given as inputs, each [1, T, F + 1]."""
+    detector.eval()
+    base = detector.base if isinstance(detector, HybridDetector) else detector
+    worst = max((step_vs_forward_error(base, x) for x in inputs), default=0.0)
+    metrics = {"test/parallel_vs_recurrent_max_abs": worst}
+    if base is not detector:
+        metrics["test/hybrid_split_flips"] = float(sum(_differing_events(detector, x) for x in inputs))
+    return metrics
+
+
+@torch.inference_mode()
+def _differing_events(detector: RecurrentDetector, x: Tensor, tolerance: float = 1e-4) -> int:
+    whole, _ = detector(x)
+    stepped, _ = step_through(detector, x)
+    return int(((whole.double() - stepped.double()).abs() > tolerance).sum())
 
 
 def state_bytes_per_account(detector: RecurrentDetector) -> int:

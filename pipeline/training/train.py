@@ -35,7 +35,7 @@ from pipeline.training.baselines import BASELINES, train_baseline
 from pipeline.training.config import TrainConfig, TrainResult, flatten
 from pipeline.training.datamodule import HistoryDataModule, Window
 from pipeline.training.diagnostics import (
-    parallel_vs_recurrent_error,
+    parity_metrics,
     state_bytes_per_account,
     step_cost_us_per_event,
 )
@@ -201,7 +201,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         scored = ready.scored(module.scores["test"])
         metrics, scenarios = ready.test_metrics(scored, cfg.cp_k, cfg.delay_days)
         results = {**metrics.as_dict(), **scenarios}
-        results["test/parallel_vs_recurrent_max_abs"] = parallel_vs_recurrent_error(detector, test_seqs)
+        results.update(parity_metrics(detector, test_seqs))
         results["model/state_bytes_per_account"] = float(state_bytes_per_account(detector))
         results["model/step_us_per_event"] = step_cost_us_per_event(detector)
         results["train/seconds"] = train_seconds
@@ -232,11 +232,16 @@ def train(cfg: TrainConfig) -> TrainResult:
     print(
         f"trained {cfg.model}: run {run_id}, {cfg.registered_model} v{version}, "
         f"test AUC {metrics.auc:.3f} AP {metrics.ap:.3f} CP@{cfg.cp_k} {metrics.cp_at_k:.3f}, "
-        f"parallel-vs-recurrent {results['test/parallel_vs_recurrent_max_abs']:.1e}, "
+        f"parallel-vs-recurrent {results['test/parallel_vs_recurrent_max_abs']:.1e}{_split_flips(results)}, "
         f"alert threshold {threshold.value:.3f} ({threshold.validation_alerts_per_day:.0f}/day on validation), "
         f"{train_seconds:.0f} s"
     )
     return TrainResult(run_id, cfg.model, model_uri, version, results)
+
+
+def _split_flips(results: dict[str, float]) -> str:
+    flips = results.get("test/hybrid_split_flips")
+    return "" if flips is None else f" (the base's; {flips:.0f} events across a tree split)"
 
 
 def _pretrained(

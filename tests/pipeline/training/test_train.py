@@ -120,7 +120,8 @@ def test_hybrid_trains_its_base_then_its_trees_and_registers_one_model(tracking)
         tracking, "hybrid", "hybrid_base=lstm", "model_config.d_model=8", "model_config.num_layers=1"
     )
     result = train(cfg)
-    assert result.metrics["test/parallel_vs_recurrent_max_abs"] < 1e-4
+    assert result.metrics["test/parallel_vs_recurrent_max_abs"] < 1e-4  # the base's
+    assert "test/hybrid_split_flips" in mlflow.get_run(result.run_id).data.metrics
     assert 0.5 < result.metrics["test/auc"] <= 1.0
     model = load_model(result.model_uri)
     assert model.name == "hybrid" and bool(model.detector.fitted)
