@@ -5,7 +5,8 @@ Trees find the sharp per-event rules (an amount over a limit, a terminal's recen
 splits; the sequence detector carries what only history shows (a change of habits, a burst of small
 payments). The hybrid's score is the trees' raw score over [event features, base score]: one model, trained,
 versioned and served as one. Its state is the base detector's, unchanged, so it keeps every promise of the
-recurrent contract: `forward` and `step` agree because the base's do and the trees read one event at a time.
+recurrent contract: `forward` and `step` agree because the base's do and the trees read one event at a time
+(up to a leaf, where the two paths' base scores, equal to float error, fall either side of a split point).
 
 Until its trees are fitted (`fit_head`, in pipeline/training/hybrid_head.py) the hybrid scores exactly as its
 base: an unfitted head passes the base score through.
