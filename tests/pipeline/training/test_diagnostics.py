@@ -27,20 +27,24 @@ def one_split_on_the_base_score(columns: int, threshold: float) -> TreeArrays:
 
 def test_a_split_between_the_two_paths_base_scores_is_counted_apart_from_the_base_parity():
     torch.manual_seed(0)
-    config = HybridConfig.tiny(base="lstm", trees=1, tree_nodes=3, tree_depth=1)
+    # A linear-attention base: its parallel and recurrent forms sum in other orders, so in float32 some
+    # events score a few ulps apart on the two paths on any CPU.
+    config = HybridConfig.tiny(base="linear_transformer", trees=1, tree_nodes=3, tree_depth=1)
     hybrid = build_detector("hybrid", config).eval()
     base = hybrid.base
-    x = random_events(base, 4, 200)
+    x = random_events(base, 1, 400)  # one account, as parity_over runs them
     with torch.inference_mode():
         whole, _ = base(x)
         stepped, _ = step_through(base, x)
     apart = (whole != stepped).nonzero()  # float32: the two paths sum in another order
     assert len(apart), "no event whose two base scores differ in float32; the test needs one"
-    b, t = apart[0].tolist()
-    low, high = sorted((whole[b, t].item(), stepped[b, t].item()))
-    hybrid.fit_head(one_split_on_the_base_score(config.num_features + 1, low))  # between the two
+    _, t = apart[0].tolist()
+    low = min(whole[0, t].item(), stepped[0, t].item())
+    hybrid.fit_head(
+        one_split_on_the_base_score(config.num_features + 1, low)
+    )  # low goes left, the other right
 
-    parity = parity_over(hybrid, [x[b : b + 1]])
+    parity = parity_over(hybrid, [x])
 
     assert parity["test/parallel_vs_recurrent_max_abs"] < 1e-5  # the base's: the recurrent contract holds
     assert parity["test/hybrid_split_flips"] >= 1  # the event whose two scores straddle the split
