@@ -5,7 +5,7 @@ import torch
 
 from models.hybrid import HybridConfig
 from models.parity import random_events, step_through
-from models.registry import build_detector
+from models.registry import build_detector, config_class
 from models.tree_ensemble import TreeArrays
 from pipeline.training.diagnostics import parity_over
 
@@ -39,10 +39,8 @@ def test_a_split_between_the_two_paths_base_scores_is_counted_apart_from_the_bas
     apart = (whole != stepped).nonzero()  # float32: the two paths sum in another order
     assert len(apart), "no event whose two base scores differ in float32; the test needs one"
     _, t = apart[0].tolist()
-    low = min(whole[0, t].item(), stepped[0, t].item())
-    hybrid.fit_head(
-        one_split_on_the_base_score(config.num_features + 1, low)
-    )  # low goes left, the other right
+    low = min(whole[0, t].item(), stepped[0, t].item())  # goes left at the split; the other goes right
+    hybrid.fit_head(one_split_on_the_base_score(config.num_features + 1, low))
 
     parity = parity_over(hybrid, [x])
 
@@ -52,7 +50,7 @@ def test_a_split_between_the_two_paths_base_scores_is_counted_apart_from_the_bas
 
 def test_a_detector_that_is_not_a_hybrid_reports_no_split_flips():
     torch.manual_seed(0)
-    lstm = build_detector("lstm", HybridConfig.tiny().shared())
+    lstm = build_detector("lstm", config_class("lstm").tiny())
     parity = parity_over(lstm, [random_events(lstm, 1, 50)])
     assert set(parity) == {"test/parallel_vs_recurrent_max_abs"}
     assert parity["test/parallel_vs_recurrent_max_abs"] < 1e-5
