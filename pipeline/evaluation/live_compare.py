@@ -21,6 +21,7 @@ from kafka.structs import TopicPartition
 
 from consumers.runtime.settings import ServeConfig
 from pipeline.evaluation.metrics import event_metrics
+from pipeline.evaluation.protocol import ranked_card_precisions
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +129,7 @@ def _metrics(scores: pl.DataFrame, labels: pl.DataFrame, k: int) -> dict:
 
 
 def _cp_at_k(joined: pl.DataFrame, k: int) -> float:
-    daily = joined.group_by("day", "account_id").agg(pl.col("score").max(), pl.col("is_fraud").any())
-    caught: set[str] = set()
-    precisions = []
-    for day in sorted(daily["day"].unique().to_list()):
-        ranked = (
-            daily.filter((pl.col("day") == day) & ~pl.col("account_id").is_in(list(caught)))
-            .sort(["score", "account_id"], descending=[True, False])
-            .head(k)
-        )
-        hits = ranked.filter(pl.col("is_fraud"))["account_id"].to_list()
-        caught.update(hits)
-        precisions.append(len(hits) / k)
+    precisions = ranked_card_precisions(joined, sorted(joined["day"].unique().to_list()), k)
     return float(np.mean(precisions)) if precisions else float("nan")
 
 

@@ -13,8 +13,9 @@ CP@k whose exclusions are the frauds whose *label* was known (label_ts) before e
 happened.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Literal
 
 import numpy as np
@@ -112,16 +113,23 @@ def card_precision_at_k(
     labels: the dataset (account_id, ts, is_fraud, label_ts), to know which accounts each day leaves out.
     """
     excluded = exclusions_of(labels, test, exclusions, delay_days)
-    daily = (
-        scored.filter(test.contains())
-        .with_columns(_EVENT_DAY)
-        .join(excluded, on=["day", "account_id"], how="anti")
-        .group_by("day", "account_id")
-        .agg(pl.col("score").max(), pl.col("is_fraud").any())
+    kept = scored.filter(test.contains()).with_columns(_EVENT_DAY)
+    return ranked_card_precisions(
+        kept.join(excluded, on=["day", "account_id"], how="anti"), test.day_starts(), k
     )
+
+
+def ranked_card_precisions(events: pl.DataFrame, days: Iterable[datetime], k: int) -> list[float]:
+    """The precision of each day's top k accounts, for each of `days` in order: accounts ranked by their
+    highest event score of the day (ties by account id), an account caught (a fraud in an earlier day's top k)
+    left out of the days after.
+
+    events: day (the event's day start), account_id, score, is_fraud.
+    """
+    daily = events.group_by("day", "account_id").agg(pl.col("score").max(), pl.col("is_fraud").any())
     caught: set[str] = set()
     precisions = []
-    for day in test.day_starts():
+    for day in days:
         ranked = (
             daily.filter((pl.col("day") == day) & ~pl.col("account_id").is_in(list(caught)))
             .sort(["score", "account_id"], descending=[True, False])

@@ -12,6 +12,7 @@ from pipeline.evaluation.protocol import (
     detection_metrics,
     event_metrics,
     published_exclusions,
+    ranked_card_precisions,
 )
 
 
@@ -39,6 +40,17 @@ def test_event_metrics_match_their_definitions_and_are_nan_on_one_class():
     # ranked 0.9 F, 0.8 L, 0.2 F: precision 1/1 at the first fraud, 2/3 at the second.
     assert ap == pytest.approx((1 + 2 / 3) / 2)
     assert np.isnan(event_metrics(np.array([0.1, 0.2]), np.array([0, 0]))[0])
+
+
+def test_ranked_card_precisions_break_ties_by_account_and_count_an_empty_day_as_none_caught():
+    events = scored([("b", utc(2), 0.7, True), ("a", utc(2), 0.7, False), ("b", utc(3), 0.9, True)])
+    days = [datetime(2026, 1, d, tzinfo=UTC) for d in (2, 3, 4)]
+    events = events.with_columns(pl.col("ts").dt.truncate("1d").alias("day"))
+    # Day 2: a and b tie at 0.7, a ranks first and fills k = 1: nothing caught. Day 3: b alone, caught.
+    # Day 4: no events.
+    assert ranked_card_precisions(events, days, k=1) == [0.0, 1.0, 0.0]
+    # With k = 2 b is caught on day 2 and leaves day 3's ranking.
+    assert ranked_card_precisions(events, days, k=2) == [0.5, 0.0, 0.0]
 
 
 def test_cp_at_k_ranks_accounts_by_their_best_event_and_drops_known_and_caught_accounts():
