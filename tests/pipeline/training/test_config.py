@@ -99,23 +99,46 @@ def test_optional_settings_take_null_and_the_bounds_that_mean_off_are_allowed(tm
 
 
 @pytest.mark.parametrize(
-    "model, hybrid_base, expected",
+    "model, hybrid_base, step, expected",
     [
-        ("transformer", "linear_transformer", 1e-3),
-        ("linear_transformer", "linear_transformer", 2e-3),
-        ("lstm", "linear_transformer", 2e-3),
-        ("hybrid", "transformer", 1e-3),  # a hybrid's base trains at the base's rate
-        ("hybrid", "lstm", 2e-3),
+        ("transformer", "linear_transformer", ["batch_accounts=16"], 1e-3),
+        ("transformer", "linear_transformer", ["batch_accounts=64"], 1e-3),
+        ("linear_transformer", "linear_transformer", ["batch_accounts=16"], 1e-3),
+        (
+            "linear_transformer",
+            "linear_transformer",
+            ["batch_accounts=32"],
+            2e-3,
+        ),  # a larger batch, a larger step
+        (
+            "linear_transformer",
+            "linear_transformer",
+            ["batch_accounts=16", "devices=2"],
+            2e-3,
+        ),  # 32 over 2 ranks
+        ("linear_transformer", "linear_transformer", ["batch_accounts=8", "devices=2"], 1e-3),
+        ("lstm", "linear_transformer", ["batch_accounts=16"], 2e-3),
+        ("hybrid", "transformer", ["batch_accounts=16"], 1e-3),  # a hybrid's base trains at the base's rate
+        ("hybrid", "linear_transformer", ["batch_accounts=16"], 1e-3),
+        ("hybrid", "lstm", ["batch_accounts=16"], 2e-3),
     ],
 )
 def test_each_detector_trains_at_its_own_learning_rate_unless_one_is_given(
-    tmp_path, model, hybrid_base, expected
+    tmp_path, model, hybrid_base, step, expected
 ):
-    base = [f"hybrid_base={hybrid_base}"]
+    base = [f"hybrid_base={hybrid_base}", *step]
     assert load_train_config(tmp_path, None, base, model=model).learning_rate == expected
     assert load_train_config(tmp_path, None, [*base, "learning_rate=5e-4"], model=model).learning_rate == 5e-4
     quick = load_train_config(tmp_path, QUICK_PROFILE, base, model=model)
     assert quick.learning_rate == 0.005  # the profile's rate, for every detector
+
+
+def test_the_thorough_profile_trains_each_detector_at_the_rate_its_figures_were_measured_at(tmp_path):
+    rates = {
+        model: load_train_config(tmp_path, PROFILES_DIR / "thorough.yaml", model=model).learning_rate
+        for model in ("lstm", "linear_transformer", "transformer")
+    }
+    assert rates == {"lstm": 2e-3, "linear_transformer": 2e-3, "transformer": 1e-3}
 
 
 @pytest.mark.parametrize("rate", ["0", "-1e-3", "nan", "inf"])
