@@ -79,12 +79,17 @@ class TrainConfig:
             bases = [m for m in SEQUENCE_MODELS if m != "hybrid"]
             raise ValueError(f"train config: hybrid_base = {self.hybrid_base!r}, expected one of {bases}")
         if self.learning_rate is None:  # frozen: resolved once, so the run logs the rate it trained at
-            accounts_per_step = self.batch_accounts * self.devices * self.num_nodes  # every DDP rank's
-            rate = default_learning_rate(self.trained_detector, accounts_per_step)
+            rate = default_learning_rate(self.trained_detector, self.batch_accounts * self.ranks)
             object.__setattr__(self, "learning_rate", rate)
         for name, (bound, inclusive) in _NUMBER_BOUNDS.items():
             if not (name in _OPTIONAL and getattr(self, name) is None):
                 _check_number(name, getattr(self, name), bound, inclusive)
+
+    @property
+    def ranks(self) -> int:
+        """Training processes in all (devices x num_nodes): more than one trains with DDP, each optimizer step
+        then seeing batch_accounts accounts from every rank."""
+        return self.devices * self.num_nodes
 
     @property
     def trained_detector(self) -> str:

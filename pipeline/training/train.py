@@ -85,7 +85,7 @@ def _lightning_trainer(cfg: TrainConfig, epochs: int, **settings: Any) -> pl_lig
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
-        strategy="ddp" if cfg.devices * cfg.num_nodes > 1 else "auto",
+        strategy="ddp" if cfg.ranks > 1 else "auto",
         precision=cfg.precision or ("bf16-mixed" if on_gpu else "32-true"),
         gradient_clip_val=cfg.gradient_clip,
         logger=False,
