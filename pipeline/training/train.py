@@ -194,6 +194,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         trainer.validate(module, datamodule=data, verbose=False)  # the best weights' validation scores
         threshold = _threshold(module.scores["val"], train_seqs, cfg.alert_budget_per_day)
         trainer.test(module, datamodule=data, verbose=False)
+        _leave_process_group()
         if not trainer.is_global_zero:
             return TrainResult(run_id, cfg.model, "", -1)
 
@@ -237,6 +238,15 @@ def train(cfg: TrainConfig) -> TrainResult:
         f"{train_seconds:.0f} s"
     )
     return TrainResult(run_id, cfg.model, model_uri, version, results)
+
+
+def _leave_process_group() -> None:
+    """After the last collective (the test scores' gather) each DDP rank destroys its process group. A rank that
+    exits with the group alive leaves gloo's worker threads to the interpreter's teardown, which can abort the
+    process ("terminate called without an active exception") after training has succeeded. Local to the rank:
+    no other rank waits on it. Nothing on one device."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _split_flips(results: dict[str, float]) -> str:
