@@ -153,7 +153,7 @@ def detection_metrics(
     )
     auc, ap = event_metrics(kept["score"].to_numpy(), kept["is_fraud"].to_numpy())
     all_auc, all_ap = event_metrics(in_test["score"].to_numpy(), in_test["is_fraud"].to_numpy())
-    per_day = card_precision_at_k(in_test, labels, test, k, "published", delay_days)
+    per_day = ranked_card_precisions(kept, test.day_starts(), k)  # the same exclusions as AUC and AP
     known_labels = card_precision_at_k(in_test, labels, test, k, "known_labels")
     return DetectionMetrics(
         auc=auc,

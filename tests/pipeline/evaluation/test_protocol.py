@@ -158,6 +158,7 @@ def test_published_metrics_leave_the_excluded_accounts_out_of_auc_ap_and_cp():
     assert (metrics.auc, metrics.ap) == (auc, ap)
     # day 0: a (legit, 0.90) tops d0 (0.10); day 1: b (0.80) tops c; d0's 0.98 is left out.
     assert metrics.cp_per_day == (0.0, 1.0)
+    assert list(metrics.cp_per_day) == card_precision_at_k(events, frame, test, 1, "published", 7)
     all_auc, all_ap = event_metrics(events["score"].to_numpy(), events["is_fraud"].to_numpy())
     assert (metrics.all_events_auc, metrics.all_events_ap) == (all_auc, all_ap)
     assert metrics.ap != metrics.all_events_ap
