@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Self
 import torch
 from torch import Tensor, nn
 
+from models.checks import is_integer
+
 State = dict[str, Tensor]
 
 
@@ -63,7 +65,7 @@ class DetectorConfig:
                         f"{type(self).__name__}.{field.name} = {value!r}: expected a number"
                     ) from None
                 object.__setattr__(self, field.name, value)
-            if field.type is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if field.type is int and (not is_integer(value) or value < 1):
                 raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected an integer >= 1")
             # A switch must be a bool: the string "false" (a hand-written JSON config) would be truthy.
             if field.type is bool and not isinstance(value, bool):

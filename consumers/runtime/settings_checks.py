@@ -5,7 +5,6 @@ Apart from the settings, so that settings.py reads as the list of settings with 
 """
 
 import dataclasses
-import math
 import re
 import types
 import typing
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from consumers.runtime.settings_sources import env_name
+from models.checks import is_finite_number, is_integer, is_number
 
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
@@ -23,7 +23,7 @@ def check_settings(cfg: Any) -> None:
     """Refuses a ServeConfig (`cfg`) with a value out of its range, or of the wrong type, naming the first."""
     for name in ("max_amount", "max_ts_skew_s", "drift_refresh_s"):
         value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        if not is_finite_number(value) or not value > 0:
             raise ValueError(f"serve config: {name} = {value!r}, expected a finite number > 0")
     for name, least in (
         ("transactions_partitions", 1),
@@ -47,12 +47,12 @@ def check_settings(cfg: Any) -> None:
         ("drift_window_events", 1),
     ):
         value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        if not is_integer(value) or value < least:
             raise ValueError(f"serve config: {name} = {value!r}, expected an integer >= {least}")
-    if not isinstance(cfg.metrics_port, int) or not 0 <= cfg.metrics_port < 65536:
+    if not is_integer(cfg.metrics_port) or not 0 <= cfg.metrics_port < 65536:
         raise ValueError(f"serve config: metrics_port = {cfg.metrics_port!r}, expected 0 (off) or a port")
     flush_s = cfg.terminal_table_flush_s
-    if not isinstance(flush_s, int | float) or isinstance(flush_s, bool) or flush_s <= 0:
+    if not is_number(flush_s) or flush_s <= 0:
         raise ValueError(
             f"serve config: terminal_table_flush_s = {cfg.terminal_table_flush_s!r}, expected seconds > 0"
         )
@@ -60,7 +60,7 @@ def check_settings(cfg: Any) -> None:
         raise ValueError(f"serve config: restore_timeout_s = {cfg.restore_timeout_s!r}, expected > 0")
     if cfg.threshold is not None and not 0.0 <= cfg.threshold <= 1.0:
         raise ValueError(f"serve config: threshold = {cfg.threshold!r}, expected a probability in [0, 1]")
-    if type(cfg.alert_reasons) is not int or cfg.alert_reasons < 0:
+    if not is_integer(cfg.alert_reasons) or cfg.alert_reasons < 0:
         raise ValueError(
             f"serve config: alert_reasons = {cfg.alert_reasons!r}, expected an integer >= 0 (0: no reasons)"
         )
@@ -97,7 +97,7 @@ def _check_kafka(cfg: Any) -> None:
         re.fullmatch(r"[^\s:,]+(:\d{1,5})?", server.strip()) for server in servers.split(",")
     ):
         raise ValueError(f"serve config: bootstrap_servers = {servers!r}, expected host:port[,host:port...]")
-    if not isinstance(cfg.bootstrap_timeout_ms, int) or cfg.bootstrap_timeout_ms < 1:
+    if not is_integer(cfg.bootstrap_timeout_ms) or cfg.bootstrap_timeout_ms < 1:
         raise ValueError(
             f"serve config: bootstrap_timeout_ms = {cfg.bootstrap_timeout_ms!r}, expected an integer >= 1"
         )
@@ -136,7 +136,7 @@ def check_type(name: str, value: Any, hint: Any) -> None:
     else:
         allowed = (typing.get_origin(hint) or hint,)  # tuple[str, ...]: a tuple
     for kind in allowed:
-        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if kind is float and is_number(value):
             return
         if kind in (int, float) and isinstance(value, bool):
             continue

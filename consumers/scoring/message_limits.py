@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from models.checks import is_finite_number, is_integer, is_number
+
 MAX_MESSAGE_BYTES = 64 * 1024
 # A timestamp before earliest_ts (by default this one) or from 2100 on is a typo or a unit mix-up (seconds
 # read as milliseconds), not a transaction.
@@ -50,10 +52,10 @@ class MessageLimits:
             ("max_id_chars", 1, 65_536),
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+            if not is_integer(value) or not least <= value <= most:
                 raise ValueError(f"{name} = {value!r}: expected an integer in {least}..{most}")
         for name, value in (("max_amount", self.max_amount), ("max_ts_skew_s", self.max_ts_skew_s)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            if not is_finite_number(value) or not value > 0:
                 raise ValueError(f"{name} = {value!r}: expected a finite number > 0")
         if self.max_amount > 1e15:
             # 2**31 events a day at this amount still sum far from the float maximum, and log1p keeps its
@@ -116,7 +118,7 @@ def read_ts(value: object, field: str, limits: MessageLimits, now: int | None = 
 
 def parse_epoch_ms(value: object, field: str, limits=None, now: int | None = None) -> int:
     """Milliseconds since the epoch, a JSON integer -> microseconds, within parse_ts's bounds."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_integer(value):
         raise MessageError(
             f"field {field!r}: expected epoch milliseconds (an integer; setting timestamp_format = epoch_ms), "
             f"got {show(value)}"
@@ -186,7 +188,7 @@ def text(value: object, field: str, limits, required: bool = True) -> str:
 
 
 def amount(value: object, limits) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise MessageError(f"field 'amount': expected a number, got {show(value)}")
     # Compared before float(): an integer beyond the float range compares exactly, float() would raise.
     if (isinstance(value, float) and not math.isfinite(value)) or value < 0:

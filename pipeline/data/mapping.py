@@ -27,6 +27,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import polars as pl
 import yaml
 
+from models.checks import is_integer
 from pipeline.data.schema import REQUIRED_COLUMNS, TIMESTAMP, TRANSACTION_SCHEMA
 
 FORMATS = ("csv", "parquet", "ndjson")
@@ -310,7 +311,7 @@ def _csv_options(value: Any, where: str) -> CsvOptions:
     options = CsvOptions(**{k: tuple(v) if k == "null_values" else v for k, v in table.items()})
     if not isinstance(options.separator, str) or len(options.separator) != 1:
         raise MappingError(f"{where}.separator: expected one character, got {options.separator!r}")
-    if not isinstance(options.skip_rows, int) or options.skip_rows < 0:
+    if not is_integer(options.skip_rows) or options.skip_rows < 0:
         raise MappingError(f"{where}.skip_rows: expected a whole number >= 0, got {options.skip_rows!r}")
     if options.encoding not in ("utf8", "utf8-lossy"):
         raise MappingError(f"{where}.encoding: expected utf8 or utf8-lossy, got {options.encoding!r}")

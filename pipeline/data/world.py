@@ -9,6 +9,8 @@ from datetime import UTC, date, datetime
 
 import numpy as np
 
+from models.checks import is_finite_number, is_integer
+
 GRID_SIZE = 100.0  # accounts and terminals live on a GRID_SIZE x GRID_SIZE square
 DAY_SECONDS = 86_400
 US_PER_SECOND = 1_000_000
@@ -81,13 +83,13 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         problems = []
         for name in ("accounts", "days", "compromised_terminal_days", "compromised_account_days"):
-            if getattr(self, name) < 1:
+            if not is_integer(getattr(self, name)) or getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)!r}, expected an integer >= 1")
-        if self.terminals is not None and self.terminals < 1:
+        if self.terminals is not None and (not is_integer(self.terminals) or self.terminals < 1):
             problems.append(f"terminals={self.terminals!r}, expected an integer >= 1 or None (2 x accounts)")
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float) and not (np.isfinite(value) and value >= 0):
+            if f.type is float and not (is_finite_number(value) and value >= 0):
                 problems.append(f"{f.name}={value!r}, expected a finite number >= 0")
         for lo, hi in _RANGES:
             if getattr(self, lo) > getattr(self, hi):

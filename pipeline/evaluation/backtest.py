@@ -33,6 +33,7 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from consumers.scoring.scorer import Scorer
+from models.checks import is_integer
 from pipeline.data.dataset import read_dataset
 from pipeline.data.splits import DAY, Period, dataset_days, prequential_test_periods
 from pipeline.evaluation.protocol import (
@@ -68,9 +69,9 @@ class BacktestConfig:
     def __post_init__(self):
         for name in ("folds", "k", "batch_events"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"backtest config: {name} = {value!r}, expected an integer >= 1")
-        if type(self.reasons) is not int or self.reasons < 0:
+        if not is_integer(self.reasons) or self.reasons < 0:
             raise ValueError(
                 f"backtest config: reasons = {self.reasons!r}, expected an integer >= 0 (0: none)"
             )

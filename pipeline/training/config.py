@@ -6,7 +6,6 @@ this file is about the run.
 """
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import yaml
 
 import configs
+from models.checks import is_finite_number, is_integer
 from pipeline.data.splits import DAY, Period, Split
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
@@ -132,13 +132,12 @@ _OPTIONAL = {"train_days", "pos_weight"}  # None: derived from the data (see the
 
 
 def _check_integer(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_integer(value) or value < minimum:
         raise ValueError(f"train config: {name} = {value!r}, expected an integer >= {minimum}")
 
 
 def _check_number(name: str, value: Any, bound: float, inclusive: bool) -> None:
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (number and math.isfinite(value) and (value >= bound if inclusive else value > bound)):
+    if not (is_finite_number(value) and (value >= bound if inclusive else value > bound)):
         expected = f"{'>=' if inclusive else '>'} {bound:g}"
         raise ValueError(f"train config: {name} = {value!r}, expected a finite number {expected}")
 

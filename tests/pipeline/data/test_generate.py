@@ -1,5 +1,6 @@
 """The synthetic generator: determinism, schema, the Handbook's shape, every scenario and its labels."""
 
+import re
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -247,6 +248,15 @@ def test_invalid_config_is_refused_with_the_field_named():
         GenerateConfig(takeover_days_min=9, takeover_days_max=4)
     with pytest.raises(ValueError, match="drift_account_fraction"):
         GenerateConfig(drift_account_fraction=1.5)
+    # A count must be an integer (YAML's true is not 1 account), a rate a number.
+    for bad, message in (
+        ({"accounts": True}, "accounts=True, expected an integer >= 1"),
+        ({"days": 30.5}, "days=30.5, expected an integer >= 1"),
+        ({"terminals": "many"}, "terminals='many', expected an integer >= 1 or None"),
+        ({"radius": True}, "radius=True, expected a finite number >= 0"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            GenerateConfig(**bad)
 
 
 @pytest.mark.slow

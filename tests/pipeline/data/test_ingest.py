@@ -340,6 +340,11 @@ def test_mapped_column_absent_from_file(tmp_path):
             "timestamps: {ts: {epoch: minutes}}\n",
             r"timestamps.ts.epoch: 'minutes' is not one of \['s', 'ms', 'us'\]",
         ),
+        (
+            "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\n"
+            "csv: {skip_rows: true}\n",
+            "csv.skip_rows: expected a whole number >= 0, got True",
+        ),
     ],
 )
 def test_mapping_errors_are_clear(tmp_path, text, expected):

@@ -171,3 +171,5 @@ def test_too_many_folds_say_what_data_they_need(workspace):
         prequential_test_periods(last_days(frame, 14), 3, dataset_days(frame))
     with pytest.raises(ValueError, match="folds = 0"):
         BacktestConfig(data=".", model_uri="x", folds=0)
+    with pytest.raises(ValueError, match="folds = True, expected an integer >= 1"):
+        BacktestConfig(data=".", model_uri="x", folds=True)  # YAML's true is not one fold
