@@ -25,7 +25,7 @@ State = dict[str, Tensor]
 class DetectorConfig:
     """Fields every detector shares; subclasses add their own. Travels with the weights via to_dict()."""
 
-    num_features: int = 26  # numeric input columns; the terminal bucket column comes after them
+    num_features: int = 27  # numeric inputs, pipeline/features' FEATURE_NAMES; the terminal bucket after them
     terminal_buckets: int = 4096
     d_model: int = 64
     num_layers: int = 2

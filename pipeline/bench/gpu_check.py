@@ -24,12 +24,13 @@ from pytorch_lightning.callbacks import Callback
 from models.contract import RecurrentDetector
 from models.parity import forward_in_chunks, random_events, step_vs_forward_error
 from models.registry import REGISTRY, build_detector
+from pipeline.features import FEATURE_NAMES
 from pipeline.training.datamodule import HistoryDataModule, Window
 from pipeline.training.diagnostics import step_cost_us_per_event
 from pipeline.training.module import DetectorModule
 from pipeline.training.sequences import AccountSequences
 
-NUM_FEATURES = 26
+NUM_FEATURES = len(FEATURE_NAMES)
 
 
 @contextmanager

@@ -55,6 +55,7 @@ RAW_FIELDS: tuple[str, ...] = (
 
 FEATURE_NAMES: tuple[str, ...] = (
     "log_amount",
+    "linear_amount",
     "amount_z",
     "log_gap_s",
     "is_first_event",
@@ -126,6 +127,11 @@ def derive_features(raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
     out = {
         "log_amount": log_amount,
+        # The amount itself (standardised like every feature). log1p compresses large amounts, where a fixed
+        # limit sits ("above 220 is fraud"): on the Handbook-scale data 210 and 230 lie 0.10 training standard
+        # deviations apart in log1p, 0.43 in the amount. A network draws the step on this scale, not on the
+        # log's, where it learnt a ramp that scored legit amounts near the limit like the frauds past it.
+        "linear_amount": f64("amount"),
         "amount_z": amount_z,
         "log_gap_s": np.log1p(np.maximum(f64("gap_s"), 0.0)),
         "is_first_event": (~has_history).astype(np.float64),

@@ -20,7 +20,7 @@ from pipeline.features.definitions import FEATURE_NAMES, WINDOW_DAYS
 
 # Every feature in exactly one input (checked below).
 INPUTS: dict[str, tuple[str, ...]] = {
-    "amount": ("log_amount", "amount_z"),
+    "amount": ("log_amount", "linear_amount", "amount_z"),
     "gap": ("log_gap_s", "is_first_event"),
     "new_terminal": ("new_terminal",),
     "terminal_risk": (

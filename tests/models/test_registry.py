@@ -6,6 +6,7 @@ import torch
 from models.contract import DetectorConfig
 from models.parity import random_events, step_vs_forward_error
 from models.registry import REGISTRY, build_detector, config_class
+from pipeline.features import FEATURE_NAMES
 from tests.models.helpers import DETECTORS, make_detector
 
 
@@ -21,7 +22,7 @@ def test_default_configs_are_the_documented_size(name):
     assert (config.d_model, config.num_layers, config.num_features, config.terminal_buckets) == (
         64,
         2,
-        26,
+        len(FEATURE_NAMES),  # every feature the featurizer computes
         4096,
     )
     assert getattr(config, "num_heads", 4) == 4
@@ -133,14 +134,18 @@ def test_a_linear_transformer_config_saved_before_decay_existed_rebuilds_an_unde
 
 
 # Fingerprints of the default configs as released before `encoder_ffn` existed: the state records those
-# detectors wrote carry them, and must still load. The linear Transformer then trained with dropout 0.1.
+# detectors wrote carry them, and must still load. Every detector then read 26 features (27 since the amount
+# itself joined its log), and the linear Transformer trained with dropout 0.1.
 RELEASED_FINGERPRINTS = {
     "lstm": "4f2154e5758e9432",
     "linear_transformer": "3df8269f934ae89c",
     "transformer": "1f6f36833fe1fe2c",
     "hybrid": "ce600a4e1c05570a",
 }
-RELEASED_DEFAULTS_SINCE_CHANGED = {"linear_transformer": {"dropout": 0.1}}
+RELEASED_DEFAULTS_SINCE_CHANGED = {
+    name: {"num_features": 26, **({"dropout": 0.1} if name == "linear_transformer" else {})}
+    for name in RELEASED_FINGERPRINTS
+}
 
 
 @pytest.mark.parametrize("name", DETECTORS)

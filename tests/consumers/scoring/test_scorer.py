@@ -19,14 +19,20 @@ from consumers.scoring.scorer import Scorer
 from models.registry import REGISTRY, build_detector
 from models.state_codec import encode_account_state
 from pipeline.data.generate import GenerateConfig, generate
-from pipeline.features import TERMINAL_BUCKET_COLUMN, FeatureSpec, compute_features, fit_feature_spec
+from pipeline.features import (
+    FEATURE_NAMES,
+    TERMINAL_BUCKET_COLUMN,
+    FeatureSpec,
+    compute_features,
+    fit_feature_spec,
+)
 from pipeline.features.definitions import FEATURE_VERSION
 from pipeline.features.state import ACCOUNT_STATE
 from pipeline.features.state import STATE_VERSION as FEATURIZER_STATE_VERSION
 from pipeline.registry.artifact import LoadedModel
 
 DETECTORS = sorted(REGISTRY)
-TINY = {"num_features": 26, "d_model": 8, "num_layers": 1, "dropout": 0.0}
+TINY = {"num_features": len(FEATURE_NAMES), "d_model": 8, "num_layers": 1, "dropout": 0.0}
 # Short Transformer window, so account histories run well past it.
 OVERRIDES = {"transformer": {"window_events": 8}}
 BATCH_EVENTS = 97  # not a divisor of anything: batches cut account histories at odd places
@@ -293,7 +299,7 @@ def test_alert_follows_the_threshold(name, frame, spec):
 
 
 def test_model_and_spec_must_agree(spec):
-    with pytest.raises(ValueError, match="feature spec gives 26"):
+    with pytest.raises(ValueError, match=f"feature spec gives {len(FEATURE_NAMES)}"):
         Scorer(make_model(DETECTORS[0], spec, num_features=5))
     half = make_model(DETECTORS[0], spec)
     half.detector.half()

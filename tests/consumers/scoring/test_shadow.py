@@ -12,10 +12,10 @@ from consumers.scoring.messages import transactions_from_frame
 from consumers.scoring.scorer import Scorer
 from models.registry import build_detector
 from pipeline.data.generate import GenerateConfig, generate
-from pipeline.features import compute_features, fit_feature_spec
+from pipeline.features import FEATURE_NAMES, compute_features, fit_feature_spec
 from pipeline.registry.artifact import LoadedModel
 
-TINY = {"num_features": 26, "d_model": 8, "num_layers": 1, "dropout": 0.0}
+TINY = {"num_features": len(FEATURE_NAMES), "d_model": 8, "num_layers": 1, "dropout": 0.0}
 BATCH = 97
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

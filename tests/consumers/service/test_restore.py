@@ -17,11 +17,11 @@ from consumers.scoring.scorer import Scorer
 from consumers.service.dormant import DormantStates
 from models.registry import REGISTRY, build_detector
 from pipeline.data.generate import GenerateConfig, generate
-from pipeline.features import compute_features, fit_feature_spec
+from pipeline.features import FEATURE_NAMES, compute_features, fit_feature_spec
 from pipeline.registry.artifact import LoadedModel
 from tests.consumers.service.test_loop import P0, P1, make_service, records, scripted_loop
 
-TINY = {"num_features": 26, "d_model": 8, "num_layers": 1, "dropout": 0.0}
+TINY = {"num_features": len(FEATURE_NAMES), "d_model": 8, "num_layers": 1, "dropout": 0.0}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

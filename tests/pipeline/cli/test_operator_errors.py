@@ -12,6 +12,7 @@ from consumers.runtime.settings import load_serve_config
 from models.registry import build_detector
 from pipeline.cli.errors import OperatorError, kafka_errors
 from pipeline.cli.main import main
+from pipeline.features import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
 from pipeline.registry.artifact import save_model_dir
 
@@ -37,8 +38,10 @@ def unused_port() -> int:
 
 @pytest.fixture
 def tiny_model(tmp_path) -> str:
-    spec = FeatureSpec(mean=(0.0,) * 26, std=(1.0,) * 26)
-    detector = build_detector("lstm", {"num_features": 26, "d_model": 8, "num_layers": 1, "dropout": 0.0})
+    spec = FeatureSpec(mean=(0.0,) * len(FEATURE_NAMES), std=(1.0,) * len(FEATURE_NAMES))
+    detector = build_detector(
+        "lstm", {"num_features": len(FEATURE_NAMES), "d_model": 8, "num_layers": 1, "dropout": 0.0}
+    )
     return str(save_model_dir(tmp_path / "model", detector, spec, {"model_version": "tiny"}))
 
 

@@ -16,13 +16,13 @@ from models.registry import build_detector
 from pipeline.data.splits import Period, dataset_days, prequential_test_periods
 from pipeline.evaluation.backtest import BacktestConfig, alert_reasons, backtest
 from pipeline.evaluation.protocol import detection_metrics
-from pipeline.features import compute_features, fit_feature_spec
+from pipeline.features import FEATURE_NAMES, compute_features, fit_feature_spec
 from pipeline.registry.artifact import save_model_dir
 from pipeline.training.diagnostics import account_inputs
 from pipeline.training.sequences import build_sequences
 from tests.pipeline.workspaces import busy_dataset, use_fresh_store
 
-TINY = {"num_features": 26, "d_model": 8, "num_layers": 1, "dropout": 0.0}
+TINY = {"num_features": len(FEATURE_NAMES), "d_model": 8, "num_layers": 1, "dropout": 0.0}
 TEST_DAYS = 5
 
 
