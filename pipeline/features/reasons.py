@@ -110,10 +110,13 @@ def describe(input_name: str, values: Mapping[str, float]) -> str:
     if input_name == "amount":
         amount = np.expm1(v["log_amount"])
         if v["is_first_event"]:
-            return f"amount {amount:,.2f} on the account's first transaction"
+            return f"amount {_fixed(amount, ',.2f')} on the account's first transaction"
         z = v["amount_z"]
         side = "above" if z >= 0 else "below"
-        return f"amount {amount:,.2f}, {abs(z):.1f} sigma {side} this account's mean so far (log scale)"
+        return (
+            f"amount {_fixed(amount, ',.2f')}, {_fixed(abs(z), '.1f')} sigma {side} this account's mean so far "
+            "(log scale)"
+        )
     if input_name == "gap":
         if v["is_first_event"]:
             return "first transaction of this account"
@@ -126,7 +129,7 @@ def describe(input_name: str, values: Mapping[str, float]) -> str:
             return f"no fraud reported at this terminal in {WINDOW_DAYS[-1]} days"
         d = next(d for d in WINDOW_DAYS if reports[d])  # the shortest window with a report
         longer = [f"{reports[w]} {_within(w)}" for w in WINDOW_DAYS if w > d]
-        detail = ", ".join([*longer, f"risk {v[f'terminal_risk_{d}d']:.2f}"])
+        detail = ", ".join([*longer, f"risk {_fixed(v[f'terminal_risk_{d}d'], '.2f')}"])
         return f"terminal reported {_plural(reports[d], 'fraud')} {_within(d)} ({detail})"
     if input_name == "terminal_activity":
         counts = ", ".join(f"{_count(v[f'terminal_log_count_{d}d'])} {_within(d)}" for d in WINDOW_DAYS)
@@ -136,7 +139,8 @@ def describe(input_name: str, values: Mapping[str, float]) -> str:
         return f"account's transactions (this one included): {counts}"
     if input_name == "account_spend":
         means = ", ".join(
-            f"{np.expm1(v[f'account_log_mean_amount_{d}d']):,.2f} {_within(d)}" for d in WINDOW_DAYS
+            f"{_fixed(np.expm1(v[f'account_log_mean_amount_{d}d']), ',.2f')} {_within(d)}"
+            for d in WINDOW_DAYS
         )
         return f"account's mean amount: {means}"
     if input_name == "time_of_day":
@@ -150,6 +154,13 @@ def describe(input_name: str, values: Mapping[str, float]) -> str:
     if input_name == HISTORY:
         return "this account's history (its recurrent state)"
     raise ValueError(f"unknown input {input_name!r}; known: {[*INPUTS, HISTORY]}")
+
+
+def _fixed(value: float, spec: str) -> str:
+    """`value` formatted with `spec`, the same text whatever its last bits. A mean of cent amounts often
+    lies on a half cent (179.33 / 2 = 89.665), where a sum in another order (the stream's batches are not the
+    backtest's) rounds to 89.66 one way and 89.67 the other: snapping to 6 decimals first gives one double."""
+    return format(round(float(value), 6), spec)
 
 
 def _count(log1p_value: float) -> int:
@@ -166,9 +177,9 @@ def _within(d: int) -> str:
 
 def _duration(seconds: float) -> str:
     if seconds < 90:
-        return f"{seconds:.0f} s"
+        return f"{_fixed(seconds, '.0f')} s"
     if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
+        return f"{_fixed(seconds / 60, '.0f')} min"
     if seconds < 36 * 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86_400:.1f} days"
+        return f"{_fixed(seconds / 3600, '.1f')} h"
+    return f"{_fixed(seconds / 86_400, '.1f')} days"

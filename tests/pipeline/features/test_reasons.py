@@ -96,3 +96,26 @@ def test_columns_of_an_input_add_up_and_only_raising_inputs_are_reasons_largest_
     assert [r.input for r in two.reasons] == ["amount", "terminal_risk"]
     with pytest.raises(ValueError, match="FEATURE_NAMES order"):
         explain(terms[:, :3], np.array([0.7]), np.array([-4.0]), features)
+
+
+@pytest.mark.parametrize(
+    "input_name, raw",
+    [
+        # 179.33 / 2 = 89.665: a half cent, which sums in another order put just below or just above
+        ("account_spend", {"account_amount_7d": 179.33, "account_count_7d": 2}),
+        ("amount", {"amount": 0.125}),
+        ("gap", {"prev_count": 1, "gap_s": 3 * 3600 + 180}),  # 3.05 h
+        ("terminal_risk", {"terminal_reports_1d": 1, "terminal_count_1d": 7}),  # 1 / 8 = 0.125
+    ],
+)
+def test_a_value_on_a_rounding_boundary_reads_the_same_whatever_its_last_bits(input_name, raw):
+    # The stream and the backtest batch events differently, so a sum can differ in its last bit; an alert's
+    # words must not.
+    values = _values(**raw)
+    texts = set()
+    for ulps in range(-4, 5):
+        nudged = {
+            k: float(np.float64(v) + ulps * np.spacing(np.float64(v))) if v else v for k, v in values.items()
+        }
+        texts.add(describe(input_name, nudged))
+    assert len(texts) == 1, texts
