@@ -135,7 +135,7 @@ def test_a_linear_transformer_config_saved_before_decay_existed_rebuilds_an_unde
 
 # Fingerprints of the default configs as released before `encoder_ffn` existed: the state records those
 # detectors wrote carry them, and must still load. Every detector then read 26 features (27 since the amount
-# itself joined its log), and the linear Transformer trained with dropout 0.1.
+# itself joined its log) clipped at 10 (100 since), and the linear Transformer trained with dropout 0.1.
 RELEASED_FINGERPRINTS = {
     "lstm": "4f2154e5758e9432",
     "linear_transformer": "3df8269f934ae89c",
@@ -143,7 +143,11 @@ RELEASED_FINGERPRINTS = {
     "hybrid": "ce600a4e1c05570a",
 }
 RELEASED_DEFAULTS_SINCE_CHANGED = {
-    name: {"num_features": 26, **({"dropout": 0.1} if name == "linear_transformer" else {})}
+    name: {
+        "num_features": 26,
+        "input_clip": 10.0,
+        **({"dropout": 0.1} if name == "linear_transformer" else {}),
+    }
     for name in RELEASED_FINGERPRINTS
 }
 
