@@ -34,7 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pipeline.data.generate import GenerateConfig
 
     cfg = GenerateConfig(accounts=args.accounts, days=args.days, seed=args.seed, start_date=args.start_date)
-    run_generate(cfg, args.out)
+    run_generate(cfg.with_settings(args.set), args.out)
     return 0
 
 
@@ -150,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days", type=int, default=180, help="days of history (default 180)")
     p.add_argument("--seed", type=int, default=0, help="random seed; same seed, same dataset (default 0)")
     p.add_argument("--start-date", type=date.fromisoformat, default=date(2026, 1, 1), help="first day, ISO")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other generator setting (pipeline.data.world.GenerateConfig), e.g. --set "
+        "takeover_accounts_per_day=0; repeatable, applied after the flags above",
+    )
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("ingest", help="map a CSV / Parquet / NDJSON file onto the canonical schema")

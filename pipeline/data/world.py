@@ -4,10 +4,13 @@
 Shape letters: A accounts, M terminals.
 """
 
-from dataclasses import dataclass, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
 from datetime import UTC, date, datetime
+from typing import Self
 
 import numpy as np
+import yaml
 
 from models.checks import is_finite_number, is_integer
 
@@ -82,27 +85,54 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("accounts", "days", "compromised_terminal_days", "compromised_account_days"):
-            if not is_integer(getattr(self, name)) or getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)!r}, expected an integer >= 1")
-        if self.terminals is not None and (not is_integer(self.terminals) or self.terminals < 1):
-            problems.append(f"terminals={self.terminals!r}, expected an integer >= 1 or None (2 x accounts)")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type is float and not (is_finite_number(value) and value >= 0):
+            if f.type is int:
+                least = 1 if f.name in _AT_LEAST_ONE else 0
+                if not is_integer(value) or value < least:
+                    problems.append(f"{f.name}={value!r}, expected an integer >= {least}")
+            elif f.type is float and not (is_finite_number(value) and value >= 0):
                 problems.append(f"{f.name}={value!r}, expected a finite number >= 0")
+        if self.terminals is not None and (not is_integer(self.terminals) or self.terminals < 1):
+            problems.append(f"terminals={self.terminals!r}, expected an integer >= 1 or None (2 x accounts)")
+        if not isinstance(self.start_date, date):
+            problems.append(f"start_date={self.start_date!r}, expected a date such as 2026-01-01")
+        if problems:  # the checks below compare fields, which needs them to be numbers
+            raise ValueError("invalid GenerateConfig: " + "; ".join(problems))
         for lo, hi in _RANGES:
             if getattr(self, lo) > getattr(self, hi):
                 problems.append(f"{lo}={getattr(self, lo)!r} > {hi}={getattr(self, hi)!r}")
         for name in ("drift_account_fraction", "compromised_account_fraud_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 problems.append(f"{name}={getattr(self, name)!r}, expected a fraction in [0, 1]")
-        if self.radius <= 0 or self.drift_home_step_days < 1 or self.takeover_days_min < 1:
-            problems.append("radius, drift_home_step_days and takeover_days_min must be > 0")
-        if self.card_testing_probes_min < 1 or self.card_testing_cashouts_min < 0:
-            problems.append("card testing needs at least one probe (probes_min >= 1, cashouts_min >= 0)")
+        if self.radius <= 0:
+            problems.append(f"radius={self.radius!r}, expected > 0")
         if problems:
             raise ValueError("invalid GenerateConfig: " + "; ".join(problems))
+
+    def with_settings(self, settings: Iterable[str]) -> Self:
+        """This config with `KEY=VALUE` texts applied in order (`txsentinel generate --set`), each VALUE read
+        as YAML: `takeover_accounts_per_day=0`, `terminals=null`, `start_date=2026-03-01`."""
+        known = {f.name for f in fields(self)}
+        changes = {}
+        for item in settings:
+            key, sep, text = item.partition("=")
+            key = key.strip()
+            if not sep or not key:
+                raise ValueError(
+                    f"--set {item!r}: expected key=value, e.g. --set takeover_accounts_per_day=0"
+                )
+            if key not in known:
+                raise ValueError(
+                    f"--set {item!r}: GenerateConfig has no field {key!r}; known: {sorted(known)}"
+                )
+            try:
+                changes[key] = yaml.safe_load(text)
+            except yaml.YAMLError as error:
+                raise ValueError(
+                    f"--set {item!r}: the value is not a number, a date or null ({error})"
+                ) from None
+        return replace(self, **changes)
 
     @property
     def n_terminals(self) -> int:
@@ -121,6 +151,16 @@ class GenerateConfig:
         midnight = datetime(self.start_date.year, self.start_date.month, self.start_date.day, tzinfo=UTC)
         return int(midnight.timestamp()) * US_PER_SECOND
 
+
+_AT_LEAST_ONE = {
+    "accounts",
+    "days",
+    "compromised_terminal_days",
+    "compromised_account_days",
+    "takeover_days_min",
+    "drift_home_step_days",
+    "card_testing_probes_min",
+}
 
 _RANGES = [
     (f"{p}_min", f"{p}_max")

@@ -259,6 +259,48 @@ def test_invalid_config_is_refused_with_the_field_named():
             GenerateConfig(**bad)
 
 
+def test_settings_reach_every_field_as_yaml_values():
+    cfg = SMALL.with_settings(
+        ["takeover_accounts_per_day=0", "takeover_days_max=4", "terminals=null", "start_date=2026-03-01"]
+    )
+    assert cfg.takeover_accounts_per_day == 0
+    assert cfg.takeover_days_max == 4
+    assert cfg.terminals is None
+    assert cfg.start_date == datetime(2026, 3, 1).date()
+    assert (cfg.accounts, cfg.seed) == (SMALL.accounts, SMALL.seed)  # the rest as it was
+    assert SMALL.with_settings(["seed=8", "seed=9"]).seed == 9  # applied in order
+
+
+def test_bad_settings_name_the_setting_and_what_was_expected():
+    for item, message in (
+        ("nope=1", "GenerateConfig has no field 'nope'"),
+        ("accounts", "expected key=value"),
+        ("takeover_days_min=abc", "takeover_days_min='abc', expected an integer >= 1"),
+        ("card_testing_probes_max=2.5", "card_testing_probes_max=2.5, expected an integer >= 0"),
+        ("start_date=soon", "start_date='soon', expected a date"),
+        ("radius=[1", "the value is not a number"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            SMALL.with_settings([item])
+
+
+def test_generate_command_applies_settings(tmp_path):
+    from pipeline.cli.main import main
+
+    out = tmp_path / "data"
+    argv = ["generate", "--out", str(out), "--accounts", "200", "--days", "30", "--seed", "7"]
+    assert (
+        main([*argv, "--set", "takeover_accounts_per_day=0", "--set", "card_testing_accounts_per_day=40"])
+        == 0
+    )
+    frame = read_dataset(out)
+    counts = frame.group_by("scenario").len()
+    per = dict(zip(counts["scenario"], counts["len"], strict=True))
+    assert "account_takeover" not in per
+    assert per["card_testing"] > 0
+    assert main([*argv, "--set", "nope=1"]) == 2  # refused with the field named, nothing written over
+
+
 @pytest.mark.slow
 def test_handbook_size_is_fast():
     started = time.perf_counter()
