@@ -121,7 +121,7 @@ def test_each_detector_trains_at_its_own_learning_rate_unless_one_is_given(
     assert load_train_config(tmp_path, None, base, model=model).learning_rate == expected
     assert load_train_config(tmp_path, None, [*base, "learning_rate=5e-4"], model=model).learning_rate == 5e-4
     quick = load_train_config(tmp_path, QUICK_PROFILE, base, model=model)
-    assert quick.learning_rate == 0.005  # the profile's rate, for every detector
+    assert quick.learning_rate == 0.002  # the profile's rate, for every detector
 
 
 def test_the_thorough_profile_trains_each_detector_at_the_rate_its_figures_were_measured_at(tmp_path):
