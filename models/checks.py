@@ -4,9 +4,13 @@ Python makes bool a subclass of int (True + 1 == 2), so `isinstance(True, int)` 
 count belongs (`folds: true` in YAML, `"max_poll_records": true` in JSON) would be read as 1. Here a bool is
 neither an integer nor a number, and every check of a value's type goes through these, so no config accepts
 what another refuses. Each caller keeps its own message, naming the setting or field and where it came from.
+`read_setting` is how a `--set KEY=VALUE` flag of train and generate becomes a value, read alike by both.
 """
 
 import math
+from typing import Any
+
+import yaml
 
 
 def is_integer(value: object) -> bool:
@@ -23,3 +27,17 @@ def is_finite_number(value: object) -> bool:
     """A number (is_number) that is neither infinite nor nan. Any integer is, however large: it is never
     converted to a float, which would overflow past 1.8e308 (a JSON message may hold such a number)."""
     return is_integer(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def read_setting(item: str, example: str) -> tuple[str, Any]:
+    """A `--set KEY=VALUE` flag -> (KEY, VALUE read as YAML: `200` an int, `0.5` a float, `null` None,
+    `2026-03-01` a date). ValueError naming the flag, with `example` (a KEY=VALUE) to follow, when it is not
+    KEY=VALUE or VALUE does not read."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"--set {item!r}: expected key=value, e.g. --set {example}")
+    try:
+        return key, yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError) as error:  # ValueError: a date that does not exist, 2026-13-01
+        raise ValueError(f"--set {item!r}: the value is not valid YAML ({error})") from None

@@ -10,9 +10,8 @@ from datetime import UTC, date, datetime
 from typing import Self
 
 import numpy as np
-import yaml
 
-from models.checks import is_finite_number, is_integer
+from models.checks import is_finite_number, is_integer, read_setting
 
 GRID_SIZE = 100.0  # accounts and terminals live on a GRID_SIZE x GRID_SIZE square
 DAY_SECONDS = 86_400
@@ -112,26 +111,17 @@ class GenerateConfig:
 
     def with_settings(self, settings: Iterable[str]) -> Self:
         """This config with `KEY=VALUE` texts applied in order (`txsentinel generate --set`), each VALUE read
-        as YAML: `takeover_accounts_per_day=0`, `terminals=null`, `start_date=2026-03-01`."""
+        as YAML (models.checks.read_setting): `takeover_accounts_per_day=0`, `terminals=null`,
+        `start_date=2026-03-01`."""
         known = {f.name for f in fields(self)}
         changes = {}
         for item in settings:
-            key, sep, text = item.partition("=")
-            key = key.strip()
-            if not sep or not key:
-                raise ValueError(
-                    f"--set {item!r}: expected key=value, e.g. --set takeover_accounts_per_day=0"
-                )
+            key, value = read_setting(item, "takeover_accounts_per_day=0")
             if key not in known:
                 raise ValueError(
                     f"--set {item!r}: GenerateConfig has no field {key!r}; known: {sorted(known)}"
                 )
-            try:
-                changes[key] = yaml.safe_load(text)
-            except yaml.YAMLError as error:
-                raise ValueError(
-                    f"--set {item!r}: the value is not a number, a date or null ({error})"
-                ) from None
+            changes[key] = value
         return replace(self, **changes)
 
     @property

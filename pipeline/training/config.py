@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 import configs
-from models.checks import is_finite_number, is_integer
+from models.checks import is_finite_number, is_integer, read_setting
 from pipeline.data.splits import DAY, Period, Split
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
@@ -188,10 +188,7 @@ def load_train_config(
         values.update(loaded)
     values.update({k: v for k, v in explicit.items() if v is not None})
     for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r}: expected key=value, e.g. --set max_epochs=3")
-        _set_dotted(values, key.strip(), yaml.safe_load(text))
+        _set_dotted(values, *read_setting(item, "max_epochs=3"))
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -277,7 +277,8 @@ def test_bad_settings_name_the_setting_and_what_was_expected():
         ("takeover_days_min=abc", "takeover_days_min='abc', expected an integer >= 1"),
         ("card_testing_probes_max=2.5", "card_testing_probes_max=2.5, expected an integer >= 0"),
         ("start_date=soon", "start_date='soon', expected a date"),
-        ("radius=[1", "the value is not a number"),
+        ("radius=[1", "--set 'radius=[1': the value is not valid YAML"),
+        ("start_date=2026-13-01", "--set 'start_date=2026-13-01': the value is not valid YAML"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             SMALL.with_settings([item])

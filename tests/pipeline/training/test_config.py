@@ -53,6 +53,17 @@ def test_numbers_written_with_an_exponent_are_numbers(tmp_path):
         config_class("lstm")(input_clip="wide")
 
 
+def test_a_set_flag_that_does_not_read_is_refused_naming_the_flag(tmp_path):
+    # Malformed YAML and a date that does not exist raise inside the YAML reader; the flag is named all the same.
+    for item in ("max_epochs=[1", "seed=2026-13-01"):
+        with pytest.raises(ValueError, match=re.escape(f"--set {item!r}: the value is not valid YAML")):
+            load_train_config(tmp_path, overrides=[item])
+    with pytest.raises(
+        ValueError, match=r"--set 'max_epochs': expected key=value, e\.g\. --set max_epochs=3"
+    ):
+        load_train_config(tmp_path, overrides=["max_epochs"])
+
+
 @pytest.mark.parametrize("value", ["-1", "1.5"])
 def test_pretraining_epochs_below_zero_or_fractional_are_refused_with_the_value(value, tmp_path):
     with pytest.raises(
