@@ -1,17 +1,19 @@
-"""The packaged YAML profiles: training profiles (train/) and example ingest mappings (data/).
+"""The packaged YAML profiles: training profiles (train/), example ingest mappings (data/) and generator
+profiles (generate/).
 
 They ship inside the wheel, so an installed txsentinel finds them without the repository: `--config quick`
-names the packaged profile configs/train/quick.yaml, `--mapping handbook` the mapping configs/data/handbook.yaml.
+names the packaged profile configs/train/quick.yaml, `--mapping handbook` the mapping configs/data/handbook.yaml,
+`generate --config handbook` the generator profile configs/generate/handbook.yaml.
 """
 
 from importlib.resources import files
 from pathlib import Path
 
-KINDS = ("train", "data")
+KINDS = ("train", "data", "generate")
 
 
 def packaged(kind: str) -> Path:
-    """The folder of the packaged profiles of `kind` ("train" or "data")."""
+    """The folder of the packaged profiles of `kind` (one of KINDS)."""
     if kind not in KINDS:
         raise ValueError(f"packaged profiles: kind {kind!r}, expected one of {', '.join(KINDS)}")
     return Path(str(files(__name__) / kind))

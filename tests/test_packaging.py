@@ -186,6 +186,27 @@ def test_the_wheel_trains_and_backtests_from_a_fresh_environment(venv, tmp_path)
     print(f"\npackaging: [train] added in {time.monotonic() - started:.1f} s")
     assert "--config" in run(venv, "train", "--help", cwd=tmp_path).stdout
     run(venv, "generate", "--out", "data", "--accounts", "30", "--days", "30", "--seed", "1", cwd=tmp_path)
+    # The packaged generator profiles ship in the wheel too.
+    run(
+        venv,
+        "generate",
+        "--out",
+        "handbook",
+        "--config",
+        "handbook",
+        "--accounts",
+        "30",
+        "--days",
+        "5",
+        cwd=tmp_path,
+    )
+    handbook = pl.read_parquet(tmp_path / "handbook" / "transactions.parquet")
+    assert set(handbook["scenario"]) <= {
+        "legit",
+        "high_amount",
+        "compromised_terminal",
+        "compromised_account",
+    }
     frame = pl.read_parquet(tmp_path / "data" / "transactions.parquet")
     model = save_tiny_model(frame, fit_days=14, out=tmp_path / "model", version="1")
     done = run(

@@ -40,9 +40,11 @@ def run_bench(args: argparse.Namespace) -> int:
         from pipeline.data.generate import GenerateConfig
 
         sizes = {k: v for k, v in (("accounts", args.accounts), ("days", args.days)) if v is not None}
+        world = QUICK_DATA if args.quick else GenerateConfig()
+        world = world if args.world is None else world.with_file(args.world)
         values = {
             "data": args.data,
-            "generate": replace(QUICK_DATA if args.quick else GenerateConfig(), seed=args.seed, **sizes),
+            "generate": replace(world, seed=args.seed, **sizes),
             "folds": args.folds,
             "train_config": args.config,
             "out": args.out,
@@ -133,6 +135,13 @@ def add_bench_commands(sub) -> argparse._SubParsersAction:
     b.add_argument("--accounts", type=int, default=None, help="accounts to generate (default 5000)")
     b.add_argument("--days", type=int, default=None, help="days to generate (default 180)")
     b.add_argument("--seed", type=int, default=0, help="the generated dataset's seed (default 0)")
+    b.add_argument(
+        "--world",
+        type=partial(configs.resolve, "generate"),
+        default=None,
+        help="generator settings for the generated dataset, a YAML or a packaged profile by name: "
+        f"{', '.join(configs.names('generate'))}",
+    )
     b.add_argument(
         "--models", nargs="+", default=None, help="models to train (default: 3 detectors, 3 baselines)"
     )

@@ -10,6 +10,7 @@ torch, polars, Lightning, MLflow or Kafka are imported at the top.
 import argparse
 import sys
 import traceback
+from dataclasses import replace
 from datetime import date
 from functools import partial
 from pathlib import Path
@@ -33,7 +34,10 @@ def _generate(args: argparse.Namespace) -> int:
     from pipeline.cli.commands import run_generate
     from pipeline.data.generate import GenerateConfig
 
-    cfg = GenerateConfig(accounts=args.accounts, days=args.days, seed=args.seed, start_date=args.start_date)
+    # Defaults < the --config file < the flags given < --set.
+    cfg = GenerateConfig() if args.config is None else GenerateConfig().with_file(args.config)
+    flags = {"accounts": args.accounts, "days": args.days, "seed": args.seed, "start_date": args.start_date}
+    cfg = replace(cfg, **{key: value for key, value in flags.items() if value is not None})
     run_generate(cfg.with_settings(args.set), args.out)
     return 0
 
@@ -146,10 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="write a synthetic dataset with known fraud")
     p.add_argument("--out", type=Path, required=True, help="dataset directory to write")
-    p.add_argument("--accounts", type=int, default=5000, help="number of accounts (default 5000)")
-    p.add_argument("--days", type=int, default=180, help="days of history (default 180)")
-    p.add_argument("--seed", type=int, default=0, help="random seed; same seed, same dataset (default 0)")
-    p.add_argument("--start-date", type=date.fromisoformat, default=date(2026, 1, 1), help="first day, ISO")
+    p.add_argument("--accounts", type=int, help="number of accounts (default 5000)")
+    p.add_argument("--days", type=int, help="days of history (default 180)")
+    p.add_argument("--seed", type=int, help="random seed; same seed, same dataset (default 0)")
+    p.add_argument("--start-date", type=date.fromisoformat, help="first day, ISO (default 2026-01-01)")
+    p.add_argument(
+        "--config",
+        type=partial(configs.resolve, "generate"),
+        default=None,
+        help="YAML of generator settings, applied before the flags, or a packaged profile by name: "
+        f"{', '.join(configs.names('generate'))}",
+    )
     p.add_argument(
         "--set",
         action="append",

@@ -4,12 +4,14 @@
 Shape letters: A accounts, M terminals.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, date, datetime
-from typing import Self
+from pathlib import Path
+from typing import Any, Self
 
 import numpy as np
+import yaml
 
 from models.checks import is_finite_number, is_integer, read_setting
 
@@ -113,16 +115,29 @@ class GenerateConfig:
         """This config with `KEY=VALUE` texts applied in order (`txsentinel generate --set`), each VALUE read
         as YAML (models.checks.read_setting): `takeover_accounts_per_day=0`, `terminals=null`,
         `start_date=2026-03-01`."""
-        known = {f.name for f in fields(self)}
         changes = {}
         for item in settings:
             key, value = read_setting(item, "takeover_accounts_per_day=0")
-            if key not in known:
-                raise ValueError(
-                    f"--set {item!r}: GenerateConfig has no field {key!r}; known: {sorted(known)}"
-                )
-            changes[key] = value
+            changes[self._known(key, f"--set {item!r}")] = value
         return replace(self, **changes)
+
+    def with_file(self, path: Path) -> Self:
+        """This config with a YAML mapping of settings applied (`txsentinel generate --config`), each value as
+        `--set` reads it: configs/generate/handbook.yaml is one."""
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise ValueError(f"{path}: cannot read the generator settings: {error}") from None
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"{path}: expected a mapping of generator settings, got {type(loaded).__name__}")
+        changes: dict[str, Any] = {self._known(str(key), str(path)): value for key, value in loaded.items()}
+        return replace(self, **changes)
+
+    def _known(self, key: str, where: str) -> str:
+        known = {f.name for f in fields(self)}
+        if key not in known:
+            raise ValueError(f"{where}: GenerateConfig has no field {key!r}; known: {sorted(known)}")
+        return key
 
     @property
     def n_terminals(self) -> int:

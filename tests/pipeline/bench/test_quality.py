@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.bench.quality import COLUMNS, QualityConfig, Run, prequential_weeks, quality_table
 from pipeline.cli.main import main
+from pipeline.data.dataset import read_dataset
 from pipeline.data.splits import Period
 
 
@@ -21,9 +22,13 @@ def test_test_weeks_are_the_last_full_week_then_each_earlier_one():
 def test_quick_bench_trains_each_model_per_fold_and_tabulates_them(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     out = tmp_path / "quality"
-    argv = ["bench", "quality", "--quick", "--models", "lstm", "logreg", "--folds", "2"]
+    # In the Handbook's world (its three fraud scenarios, labels 7 days on: configs/generate/handbook.yaml).
+    argv = ["bench", "quality", "--quick", "--world", "handbook", "--models", "lstm", "logreg"]
+    argv += ["--folds", "2"]
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
+    data = read_dataset(out / "data")
+    assert set(data["scenario"]) == {"legit", "high_amount", "compromised_terminal", "compromised_account"}
 
     saved = json.loads((out / "quality.json").read_text())
     runs = [Run(**run) for run in saved["runs"]]
