@@ -6,8 +6,10 @@ names the packaged profile configs/train/quick.yaml, `--mapping handbook` the ma
 `generate --config handbook` the generator profile configs/generate/handbook.yaml.
 """
 
+from functools import partial
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 KINDS = ("train", "data", "generate")
 
@@ -35,3 +37,13 @@ def resolve(kind: str, name_or_path: str | Path) -> Path:
 def names(kind: str) -> list[str]:
     """The packaged profiles of `kind`, by name."""
     return sorted(p.stem for p in packaged(kind).glob("*.yaml"))
+
+
+def option(kind: str, what: str) -> dict[str, Any]:
+    """argparse keyword arguments of an option that takes a YAML file, or a packaged profile of `kind` by
+    name; `what` opens its help."""
+    return {
+        "type": partial(resolve, kind),
+        "default": None,
+        "help": f"{what}, or a packaged profile by name: {', '.join(names(kind))}",
+    }

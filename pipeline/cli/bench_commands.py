@@ -3,7 +3,6 @@ stream bench pins its processes, and the others pin themselves to one core befor
 
 import argparse
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import configs
@@ -136,23 +135,14 @@ def add_bench_commands(sub) -> argparse._SubParsersAction:
     b.add_argument("--days", type=int, default=None, help="days to generate (default 180)")
     b.add_argument("--seed", type=int, default=0, help="the generated dataset's seed (default 0)")
     b.add_argument(
-        "--world",
-        type=partial(configs.resolve, "generate"),
-        default=None,
-        help="generator settings for the generated dataset, a YAML or a packaged profile by name: "
-        f"{', '.join(configs.names('generate'))}",
+        "--world", **configs.option("generate", "generator settings of the generated dataset, a YAML")
     )
     b.add_argument(
         "--models", nargs="+", default=None, help="models to train (default: 3 detectors, 3 baselines)"
     )
     b.add_argument("--seeds", type=int, default=None, help="training seeds per detector (default 3)")
     b.add_argument("--folds", type=int, default=1, help="prequential test weeks (default 1)")
-    b.add_argument(
-        "--config",
-        type=partial(configs.resolve, "train"),
-        default=None,
-        help="a training profile YAML for every model, or a packaged one by name (quick)",
-    )
+    b.add_argument("--config", **configs.option("train", "a training profile YAML for every model"))
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a training setting")
     b.add_argument("--quick", action="store_true", help="a CI-sized run: small data and detectors, 1 seed")
     b.add_argument("--out", type=Path, default=Path("runs/bench-quality"), help="dataset, runs, quality.json")

@@ -12,7 +12,6 @@ import sys
 import traceback
 from dataclasses import replace
 from datetime import date
-from functools import partial
 from pathlib import Path
 
 import configs
@@ -155,11 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="random seed; same seed, same dataset (default 0)")
     p.add_argument("--start-date", type=date.fromisoformat, help="first day, ISO (default 2026-01-01)")
     p.add_argument(
-        "--config",
-        type=partial(configs.resolve, "generate"),
-        default=None,
-        help="YAML of generator settings, applied before the flags, or a packaged profile by name: "
-        f"{', '.join(configs.names('generate'))}",
+        "--config", **configs.option("generate", "YAML of generator settings, applied before the flags")
     )
     p.add_argument(
         "--set",
@@ -173,12 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ingest", help="map a CSV / Parquet / NDJSON file onto the canonical schema")
     p.add_argument("input", type=Path, help="input file (.csv, .parquet, .ndjson/.jsonl)")
-    p.add_argument(
-        "--mapping",
-        type=partial(configs.resolve, "data"),
-        required=True,
-        help=f"mapping YAML, or a packaged one by name: {', '.join(configs.names('data'))}",
-    )
+    p.add_argument("--mapping", required=True, **configs.option("data", "mapping YAML"))
     p.add_argument("--out", type=Path, required=True, help="dataset directory to write")
     p.add_argument(
         "--on-invalid",
@@ -208,12 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="lstm | transformer | linear_transformer | hybrid | logreg | random_forest | hist_gbdt | isolation_forest "
         "(default linear_transformer)",
     )
-    p.add_argument(
-        "--config",
-        type=partial(configs.resolve, "train"),
-        default=None,
-        help=f"YAML of train settings, or a packaged profile by name: {', '.join(configs.names('train'))}",
-    )
+    p.add_argument("--config", **configs.option("train", "YAML of train settings"))
     p.add_argument(
         "--set",
         action="append",
