@@ -4,10 +4,12 @@ Python makes bool a subclass of int (True + 1 == 2), so `isinstance(True, int)` 
 count belongs (`folds: true` in YAML, `"max_poll_records": true` in JSON) would be read as 1. Here a bool is
 neither an integer nor a number, and every check of a value's type goes through these, so no config accepts
 what another refuses. Each caller keeps its own message, naming the setting or field and where it came from.
-`read_setting` is how a `--set KEY=VALUE` flag of train and generate becomes a value, read alike by both.
+`read_setting` is how a `--set KEY=VALUE` flag of train and generate becomes a value, read alike by both;
+`read_yaml_file` how serve's and generate's `--config` files become settings.
 """
 
 import math
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -41,3 +43,16 @@ def read_setting(item: str, example: str) -> tuple[str, Any]:
         return key, yaml.safe_load(text)
     except (yaml.YAMLError, ValueError) as error:  # ValueError: a date that does not exist, 2026-13-01
         raise ValueError(f"--set {item!r}: the value is not valid YAML ({error})") from None
+
+
+def read_yaml_file(path: Path, what: str) -> dict[str, Any]:
+    """The settings a YAML file holds; refuses a missing file, bad YAML and anything but a mapping."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from error
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping of {what}, got {type(loaded).__name__}")
+    return loaded

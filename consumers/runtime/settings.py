@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from consumers.runtime.settings_checks import check_settings, check_type
-from consumers.runtime.settings_sources import env_name, from_text, read_layers, read_yaml_file, unknown
+from consumers.runtime.settings_sources import env_name, from_text, read_layers, unknown
+from models.checks import read_yaml_file
 
 # setting -> the kafka-python client setting it is passed as
 KAFKA_SECURITY = {

@@ -20,7 +20,6 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import ValidationError, WrapValidator, create_model
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -110,19 +109,6 @@ def _read_secret(variable: str, path: str) -> str:
     if not secret:
         raise ValueError(f"{variable} = {path!r}: the file is empty")
     return secret
-
-
-def read_yaml_file(path: Path, what: str) -> dict[str, Any]:
-    """The settings a YAML file holds; refuses a missing file, bad YAML and anything but a mapping."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--config {path}: no such file")
-    try:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from error
-    if not isinstance(loaded, dict):
-        raise ValueError(f"{path}: expected a mapping of {what}, got {type(loaded).__name__}")
-    return loaded
 
 
 def read_layers(

@@ -4,16 +4,15 @@
 Shape letters: A accounts, M terminals.
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
-import yaml
 
-from models.checks import is_finite_number, is_integer, read_setting
+from models.checks import is_finite_number, is_integer, read_setting, read_yaml_file
 
 GRID_SIZE = 100.0  # accounts and terminals live on a GRID_SIZE x GRID_SIZE square
 DAY_SECONDS = 86_400
@@ -124,12 +123,7 @@ class GenerateConfig:
     def with_file(self, path: Path) -> Self:
         """This config with a YAML mapping of settings applied (`txsentinel generate --config`), each value as
         `--set` reads it: configs/generate/handbook.yaml is one."""
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as error:
-            raise ValueError(f"{path}: cannot read the generator settings: {error}") from None
-        if not isinstance(loaded, Mapping):
-            raise ValueError(f"{path}: expected a mapping of generator settings, got {type(loaded).__name__}")
+        loaded = read_yaml_file(path, "generator settings")
         changes: dict[str, Any] = {self._known(str(key), str(path)): value for key, value in loaded.items()}
         return replace(self, **changes)
 

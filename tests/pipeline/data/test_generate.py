@@ -323,7 +323,7 @@ def test_generate_command_reads_a_profile_then_the_flags_then_settings(tmp_path)
     for text, message in (
         ("nope: 1\n", "mine.yaml: GenerateConfig has no field 'nope'"),
         ("- days\n", "mine.yaml: expected a mapping of generator settings, got list"),
-        ("days: [1\n", "mine.yaml: cannot read the generator settings"),
+        ("days: [1\n", "mine.yaml: not valid YAML"),
         ("days: 0\n", "days=0, expected an integer >= 1"),
     ):
         profile.write_text(text)
