@@ -4,9 +4,18 @@ import json
 import math
 from datetime import UTC, datetime
 
+import polars as pl
 import pytest
 
-from pipeline.bench.quality import COLUMNS, QualityConfig, Run, prequential_weeks, quality_table
+from pipeline.bench.quality import (
+    COLUMNS,
+    PERFECT,
+    QualityConfig,
+    Run,
+    perfect_ranking,
+    prequential_weeks,
+    quality_table,
+)
 from pipeline.cli.main import main
 from pipeline.data.dataset import read_dataset
 from pipeline.data.splits import Period
@@ -46,6 +55,30 @@ def test_quick_bench_trains_each_model_per_fold_and_tabulates_them(tmp_path, mon
     lstm_ap = table.row(0, named=True)["ap"]
     assert "+-" in lstm_ap  # several runs: mean +- std
     assert lstm_ap in printed and "published protocol" in printed
+    # The labels as scores, once a fold: no model's CP@100 on a week is above that week's ceiling.
+    ceilings = {r.fold: r.metrics["test/cp_at_100"] for r in [Run(**run) for run in saved["ceilings"]]}
+    assert sorted(ceilings) == [0, 1]
+    for run in runs:
+        assert run.metrics["test/cp_at_100"] <= ceilings[run.fold]
+    assert PERFECT in printed
+
+
+def test_perfect_ranking_is_cp_at_100_of_the_labels_under_the_published_exclusions():
+    week = Period.parse("2026-02-22:2026-03-01")
+    at = lambda day: datetime(2026, 2, day, 12, tzinfo=UTC)  # noqa: E731
+    frame = pl.DataFrame(
+        {
+            # a: a fraud on the test week's second day; b: legit; c: a fraud in the training week, so the
+            # protocol leaves c out of the test; d: frauds on two test days, caught on the first.
+            "account_id": ["a", "b", "c", "c", "d", "d"],
+            "ts": [at(23), at(23), at(10), at(24), at(22), at(25)],
+            "is_fraud": [True, False, True, True, True, True],
+        }
+    )
+    run = perfect_ranking(frame, week, fold=3)
+    assert (run.model, run.fold, run.test_period) == (PERFECT, 3, str(week))
+    # Per day: d (02-22), a (02-23), nothing new after; the mean over 7 days of hits / 100.
+    assert run.metrics == {"test/cp_at_100": pytest.approx(2 / 100 / 7)}
 
 
 def test_table_cells_are_means_and_leave_missing_metrics_blank():
