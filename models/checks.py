@@ -50,7 +50,9 @@ def read_yaml_file(path: Path, what: str) -> dict[str, Any]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"--config {path}: no such file")
     try:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}): expected a YAML file") from None
     except yaml.YAMLError as error:
         raise ValueError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from error
     if not isinstance(loaded, dict):

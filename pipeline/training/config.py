@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 import configs
-from models.checks import is_finite_number, is_integer, read_setting
+from models.checks import is_finite_number, is_integer, read_setting, read_yaml_file
 from pipeline.data.splits import DAY, Period, Split
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
@@ -180,12 +178,7 @@ def load_train_config(
     """Defaults < YAML file < explicit keyword arguments (CLI flags) < `key=value` overrides."""
     values: dict[str, Any] = {}
     if config_file is not None:
-        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(
-                f"{config_file}: expected a mapping of train settings, got {type(loaded).__name__}"
-            )
-        values.update(loaded)
+        values.update(read_yaml_file(config_file, "train settings"))
     values.update({k: v for k, v in explicit.items() if v is not None})
     for item in overrides:
         _set_dotted(values, *read_setting(item, "max_epochs=3"))

@@ -42,6 +42,24 @@ def test_an_unknown_key_in_a_file_is_named_with_the_file(tmp_path):
         load_train_config(tmp_path, path)
 
 
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("max_epochs: [1\n", "not valid YAML"),
+        ("- max_epochs: 3\n", "expected a mapping of train settings, got list"),
+        ("!!python/object/apply:os.system ['true']\n", "not valid YAML"),
+        (b"max_epochs: \xff\xfe3\n", r"not UTF-8 text \(byte 12\)"),
+    ],
+)
+def test_a_file_that_is_not_a_mapping_of_settings_is_refused_naming_it(tmp_path, text, complaint):
+    path = tmp_path / "profile.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: {complaint}"):
+        load_train_config(tmp_path, path)
+    with pytest.raises(FileNotFoundError, match=r"--config .*missing\.yaml: no such file"):
+        load_train_config(tmp_path, tmp_path / "missing.yaml")
+
+
 def test_numbers_written_with_an_exponent_are_numbers(tmp_path):
     # YAML 1.1 reads 5e-4 (no dot) as a string; a typed setting takes it as the number it is.
     cfg = load_train_config(tmp_path, overrides=["learning_rate=5e-4", "model_config.input_clip=1e3"])
