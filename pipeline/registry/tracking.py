@@ -139,11 +139,22 @@ def promote(alias: str, registered_name: str, run_id: str | None = None, version
         raise ValueError("promote: give exactly one of --run RUN_ID or --version N")
     configure_tracking()
     client = MlflowClient()
+    # Every registered version of the model, by run; the name goes into a search filter, so no quote in it.
+    if "'" in registered_name:
+        raise ValueError(f"model name {registered_name!r}: a registered model's name holds no quote (')")
+    runs = {int(v.version): v.run_id for v in client.search_model_versions(f"name='{registered_name}'")}
+    if not runs:
+        raise ValueError(
+            f"no registered model {registered_name!r} in {mlflow.get_tracking_uri()}: train one first "
+            "(`txsentinel train`), or set MLFLOW_TRACKING_URI to the store that has it"
+        )
     if run_id is not None:
-        versions = client.search_model_versions(f"name='{registered_name}' and run_id='{run_id}'")
-        if not versions:
-            raise ValueError(f"run {run_id} registered no version of model {registered_name!r}")
-        version = max(int(v.version) for v in versions)
+        registered = [number for number, run in runs.items() if run == run_id]
+        if not registered:
+            raise ValueError(f"run {run_id!r} registered no version of model {registered_name!r}")
+        version = max(registered)
+    elif version not in runs:
+        raise ValueError(f"model {registered_name!r} has no version {version}; its versions: {sorted(runs)}")
     print(promotion_table(client, registered_name, alias, int(version)))
     client.set_registered_model_alias(registered_name, alias, str(version))
     return int(version)

@@ -3,7 +3,12 @@
 import subprocess
 import sys
 
+import mlflow
+import pytest
 from mlflow.tracking import MlflowClient
+
+from pipeline.cli.main import main
+from pipeline.registry.tracking import configure_tracking
 
 OPEN_STORE = """
 from pipeline.registry.tracking import configure_tracking
@@ -24,3 +29,32 @@ def test_jobs_that_open_a_new_sqlite_store_together_all_succeed_and_leave_it_usa
     assert not failures, failures[0][-2000:]
     names = [e.name for e in MlflowClient(env["MLFLOW_TRACKING_URI"]).search_experiments()]
     assert sorted(names) == ["Default", "opened-together"]  # the store opens afterwards, each created once
+
+
+def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, monkeypatch, capsys):
+    # A real SQLite store holding one registered version, promoted by the CLI as an operator would.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    configure_tracking()
+    client = MlflowClient()
+    with mlflow.start_run() as run:
+        mlflow.log_metric("test/ap", 0.5)
+    client.create_registered_model("held")
+    client.create_model_version("held", f"runs:/{run.info.run_id}/model", run.info.run_id)
+
+    def refusal(*argv: str) -> str:
+        assert main(["promote", "--alias", "champion", *argv]) == 2
+        return capsys.readouterr().err
+
+    assert "model 'held' has no version 7; its versions: [1]" in refusal(
+        "--model-name", "held", "--version", "7"
+    )
+    assert "run 'f00' registered no version of model 'held'" in refusal(
+        "--model-name", "held", "--run", "f00"
+    )
+    assert "no registered model 'other' in sqlite:///" in refusal("--model-name", "other", "--version", "1")
+    assert "holds no quote" in refusal("--model-name", "x' or name='held", "--version", "1")
+    with pytest.raises(mlflow.exceptions.MlflowException):  # no alias was set by any refusal
+        client.get_model_version_by_alias("held", "champion")
+
+    assert main(["promote", "--alias", "champion", "--model-name", "held", "--run", run.info.run_id]) == 0
+    assert int(client.get_model_version_by_alias("held", "champion").version) == 1
