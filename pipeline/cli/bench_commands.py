@@ -7,6 +7,7 @@ from pathlib import Path
 
 import configs
 from pipeline.bench.cores import pin_to_one_core
+from pipeline.cli.errors import model_errors
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -68,11 +69,13 @@ def run_bench(args: argparse.Namespace) -> int:
     elif args.bench == "trees":
         from pipeline.bench.tree_head import print_tree_table, run_tree_bench
 
-        print_tree_table(run_tree_bench(args.data, args.model, args.test_days))
+        with model_errors(args.model):  # the benches only read the model from the store
+            print_tree_table(run_tree_bench(args.data, args.model, args.test_days))
     elif args.bench == "reasons":
         from pipeline.bench.reasons import run_reasons_bench
 
-        run_reasons_bench(args.data, args.model, args.alert_share, args.batch_events)
+        with model_errors(args.model):
+            run_reasons_bench(args.data, args.model, args.alert_share, args.batch_events)
     else:
         from pipeline.bench.models import run_model_bench
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import configs
 from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.cli.bench_commands import add_bench_commands
-from pipeline.cli.errors import EXIT_INPUT, OperatorError
+from pipeline.cli.errors import EXIT_INPUT, OperatorError, model_errors
 from pipeline.cli.logs import add_logging_flags
 from pipeline.cli.monitor import add_monitor_command
 from pipeline.cli.serving import (
@@ -107,7 +107,10 @@ def _schemas(args: argparse.Namespace) -> int:
 def _backtest(args: argparse.Namespace) -> int:
     from pipeline.data.splits import Period
     from pipeline.evaluation.backtest import BacktestConfig, backtest
+    from pipeline.registry.tracking import load_model
 
+    with model_errors(args.model):
+        model = load_model(args.model)
     backtest(
         BacktestConfig(
             data=args.data,
@@ -117,7 +120,8 @@ def _backtest(args: argparse.Namespace) -> int:
             k=args.k,
             out=args.out,
             log_to_mlflow=not args.no_mlflow,
-        )
+        ),
+        model,
     )
     if args.out is not None:
         print(f"report written to {args.out}")

@@ -45,6 +45,7 @@ from pipeline.evaluation.protocol import (
 )
 from pipeline.evaluation.report_plots import bar_plot, line_plot
 from pipeline.evaluation.timelines import alert_reasons
+from pipeline.registry.artifact import LoadedModel
 from pipeline.registry.tracking import configure_tracking, load_model
 
 log = logging.getLogger(__name__)
@@ -207,8 +208,9 @@ def _warn_on_training_overlap(meta: dict[str, Any], periods: list[Period]) -> No
         )
 
 
-def backtest(cfg: BacktestConfig) -> BacktestResult:
-    model = load_model(cfg.model_uri)
+def backtest(cfg: BacktestConfig, model: LoadedModel | None = None) -> BacktestResult:
+    """Replay cfg.data through the live scorer of `model` (loaded from cfg.model_uri when not given)."""
+    model = load_model(cfg.model_uri) if model is None else model
     frame = read_dataset(cfg.data)
     if "is_fraud" not in frame.columns:
         raise ValueError(f"dataset {cfg.data} has no is_fraud labels: a backtest needs known outcomes")

@@ -4,6 +4,8 @@ store in tmp."""
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from kafka.errors import InvalidReplicationFactorError, TopicAuthorizationFailedError
@@ -12,6 +14,9 @@ from consumers.runtime.settings import load_serve_config
 from models.registry import build_detector
 from pipeline.cli.errors import OperatorError, kafka_errors
 from pipeline.cli.main import main
+from pipeline.data.dataset import write_dataset
+from pipeline.data.generate import generate
+from pipeline.data.world import GenerateConfig
 from pipeline.features import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
 from pipeline.registry.artifact import save_model_dir
@@ -67,6 +72,30 @@ def test_a_model_uri_that_does_not_resolve_names_it_the_store_and_what_to_check(
     err = capsys.readouterr().err
     assert "Traceback" in err and "MlflowException" in err  # the cause, for whoever debugs it
     assert err.strip().splitlines()[-1] == line
+
+
+@pytest.mark.parametrize("command", [["backtest"], ["bench", "trees"], ["bench", "reasons"]], ids=" ".join)
+@pytest.mark.parametrize("uri", ["models:/nope@champion", "runs:/0123abc/model"])
+def test_every_command_that_reads_a_model_names_one_that_does_not_resolve(command, uri, tmp_path):
+    # In a process of its own: the benches pin themselves to a core before polars loads. A real dataset, so
+    # that whichever a command reads first, the model is what it refuses.
+    data = tmp_path / "data"
+    write_dataset(generate(GenerateConfig(accounts=20, days=3, seed=0)), data, source={"generator": "test"})
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    argv = [*command, "--data", str(data), "--model", uri]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store}
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli.main", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"txsentinel {command[0]}: model {uri!r} did not resolve in the MLflow tracking store {store}"
+    )
 
 
 def test_no_model_at_all_says_where_to_give_one(capsys):
