@@ -301,7 +301,9 @@ def _with_shadow(name: str, model, tmp: Path) -> list[tuple]:
     return [(name, model, None), (f"{name} + shadow", model, shadow)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, load_model=None) -> int:
+    """`load_model(uri) -> LoadedModel` resolves each --model (default: the registry's load_model; the CLI
+    passes one that names a URI that does not resolve)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=50_000)
     parser.add_argument(
@@ -334,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     load_serve_config(config_file=None, overrides=settings, env={})  # a bad setting fails now, not in a child
     detectors = args.detectors or ([] if args.model else ["lstm", "linear_transformer"])
     # A URI is resolved once, here: a bad one fails before any broker work, and the children load a directory.
-    from pipeline.registry.tracking import load_model  # MLflow, torch (module docstring)
-
+    if load_model is None:
+        from pipeline.registry.tracking import load_model  # MLflow, torch (module docstring)
     trained = {uri: load_model(uri) for uri in args.model}
     core = default_core()
     already_up = port_open(kafka_port())

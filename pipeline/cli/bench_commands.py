@@ -28,7 +28,7 @@ def run_bench(args: argparse.Namespace) -> int:
         argv += [f"--set={item}" for item in args.set or []]
         argv += ["--phase-log", str(args.phase_log)] if args.phase_log else []
         argv += ["--shadow"] if args.shadow else []
-        return run_stream_bench(argv)
+        return run_stream_bench(argv, load_model=_load_naming_the_uri)
     elif args.bench == "replay":
         from pipeline.bench.features import run_replay_bench
 
@@ -81,6 +81,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
         run_model_bench(args.models or None)
     return 0
+
+
+def _load_naming_the_uri(uri: str):
+    from pipeline.registry.tracking import load_model
+
+    with model_errors(uri):
+        return load_model(uri)
 
 
 def add_bench_commands(sub) -> argparse._SubParsersAction:
