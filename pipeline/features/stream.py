@@ -11,8 +11,9 @@ A batch is read first, then folded into the state (`_read` returns the fold): tr
 the events whose feature row is not finite before anything is folded, so they change no state.
 
 Events are applied in arrival order. A late event (older day than its account or terminal has seen) has its
-windows end at the newest day seen, and its gap is clipped to 0; in time order — what the batch form and a
-replay see — this never happens and both forms agree exactly.
+windows end at the newest day seen, and its gap is clipped to 0; the next event's gap runs from the newest
+event seen, not from the late one. In time order — what the batch form and a replay see — this never
+happens and both forms agree exactly.
 
 Terminal state is ORDER-FREE: each event is counted at its terminal on its own day (a ring bucket keeps its
 newest day), fraud reports on their label day, and max_day is a maximum, so the terminal table is the same
@@ -74,6 +75,25 @@ def _entity_batch(table: StateTable, keys: Sequence[str], days: np.ndarray):
     day_eff = np.empty(len(keys), dtype=np.int64)
     day_eff[order] = key % _DAY_SPAN
     return slots, codes, order, key, day_eff
+
+
+def _newest_so_far(
+    ts_us: np.ndarray, state_ts: np.ndarray, codes: np.ndarray, order: np.ndarray
+) -> np.ndarray:
+    """[N] the latest ts of each event's entity up to and including it, in arrival order: the running
+    maximum of ts_us [N] per entity (codes [N], `order` grouping them, as _entity_batch's), starting from
+    state_ts [N], the newest the state holds for it.
+
+    Done on ranks, so that entity * ranks + rank cannot overflow whatever the timestamps: one running
+    maximum over the whole batch then restarts at each entity, whose keys all lie above the last one's."""
+    values, rank = np.unique(np.concatenate([state_ts, ts_us]), return_inverse=True)
+    span = len(values)
+    group = codes[order].astype(np.int64)
+    start = np.maximum(rank[: len(ts_us)], rank[len(ts_us) :])[order]  # this event or the state
+    running = np.maximum.accumulate(group * span + start) - group * span
+    newest = np.empty(len(ts_us), dtype=np.int64)
+    newest[order] = values[running]
+    return newest
 
 
 def grouped_cumsum(values: np.ndarray, first: np.ndarray) -> np.ndarray:
@@ -229,10 +249,11 @@ class StreamingFeaturizer:
             prev = np.empty(n)
             prev[order] = np.where(first_in_group, 0.0, np.concatenate([[0.0], inclusive[:-1]]))  # exclusive
             out[name] = prev + rec[field][slots]
-        # Previous event's ts: the one before in this batch, else the state's.
+        newest = _newest_so_far(ts_us, rec["last_ts_us"][slots], codes, order)  # [N] inclusive
+        # The gap runs from the newest event before this one (state or batch), not the last to arrive: a
+        # late event then changes no later event's gap, as in time order.
         prev_ts = np.empty(n, dtype=np.int64)
-        sorted_ts = ts_us[order]
-        shifted = np.concatenate([[0], sorted_ts[:-1]])
+        shifted = np.concatenate([[0], newest[order][:-1]])
         prev_ts[order] = np.where(first_in_group, rec["last_ts_us"][slots][order], shifted)
         has_prev = out["prev_count"] > 0
         out["gap_s"] = np.where(has_prev, np.maximum(ts_us - prev_ts, 0) / SECOND_US, 0.0)
@@ -264,7 +285,7 @@ class StreamingFeaturizer:
             np.add.at(rec["count"], slots, 1)  # unbuffered, one event at a time: each slot its own sums
             np.add.at(rec["sum_log_amount"], slots, log_amount)
             np.add.at(rec["sumsq_log_amount"], slots, log_amount * log_amount)
-            rec["last_ts_us"][group_slots] = ts_us[last_idx]
+            rec["last_ts_us"][group_slots] = newest[last_idx]
             rec["max_day"][group_slots] = day_eff[last_idx]
             np.bitwise_or.at(rec["seen_terminals"], (slots, bits // 8), (1 << (bits % 8)).astype(np.uint8))
             self._fold_days(rec, slots, day_eff, {"day_count": np.ones(n), "day_amount": amounts}, "day")

@@ -291,6 +291,22 @@ def test_late_event_in_the_stream_is_featurized_without_going_back_in_time():
     assert raw["account_count_1d"].tolist() == [1, 1, 2]  # its window ends on the newest day seen
 
 
+@pytest.mark.parametrize("batches", [[2, 1, 1], [4], [1, 3]], ids=["one a batch", "one batch", "late first"])
+def test_a_late_event_changes_no_later_events_gap(batches):
+    # Hourly events, then one from years before, then the next hour's: that one's gap is an hour, as in
+    # time order, however the stream is cut into batches (the late event moves no account's clock back).
+    hour = 3600 * 10**6
+    t0 = 20_000 * DAY_US
+    ts = np.array([t0, t0 + hour, 10_957 * DAY_US, t0 + 2 * hour])
+    featurizer, gaps, start = StreamingFeaturizer(), [], 0
+    for size in batches:
+        part = slice(start, start + size)
+        batch = EventBatch(["a"] * size, ["t"] * size, ts[part], np.ones(size))
+        gaps += featurizer.raw_aggregates(batch)["gap_s"].tolist()
+        start += size
+    assert gaps == [0.0, 3600.0, 0.0, 3600.0]
+
+
 def test_labels_between_batches_are_applied_by_observe_labels():
     featurizer = StreamingFeaturizer()
     featurizer.observe_labels(LabelBatch(["t"], np.array([DAY_US]), np.array([True])))
