@@ -4,6 +4,7 @@ applies them to whole messages)."""
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,6 +24,15 @@ _SHOWN_CHARS = 80  # of a bad value, in a reason: enough to find it, never the w
 UNKNOWN_FIELDS = ("ignore", "refuse")
 # iso8601: "2026-03-01T12:00:00.250Z" (an offset is required); epoch_ms: 1772366400250 (a JSON integer)
 TIMESTAMP_FORMATS = ("iso8601", "epoch_ms")
+
+
+# Characters Python calls printable that render as nothing: Unicode's Default_Ignorable_Code_Point set
+# (DerivedCoreProperties.txt) less what isprintable() already refuses (the format controls, U+200B..U+200F,
+# U+202A..U+202E, U+2060.., U+FEFF: Cf), plus the Braille blank. Each makes an id look like another, or like
+# no id at all, in an alert, a log line or a dead letter.
+_INVISIBLE = re.compile(
+    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180d\u180f\u2800\u3164\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef]"
+)
 
 
 class MessageError(ValueError):
@@ -170,7 +180,7 @@ def _bounded(ts_us: int, value: object, field: str, limits, now: int | None) -> 
 
 
 def text(value: object, field: str, limits, required: bool = True) -> str:
-    """An id or optional text: a string of at most max_id_chars printable characters."""
+    """An id or optional text: a string of at most max_id_chars printable, visible characters."""
     if not isinstance(value, str) or (required and not value.strip()):
         what = "a non-empty string" if required else "a string"
         raise MessageError(f"field {field!r}: expected {what}, got {show(value)}")
@@ -184,6 +194,10 @@ def text(value: object, field: str, limits, required: bool = True) -> str:
             "a lone surrogate, which UTF-8 cannot encode" if 0xD800 <= ord(bad) <= 0xDFFF else "not printable"
         )
         raise MessageError(f"field {field!r}: {show(value)} holds U+{ord(bad):04X}, {kind}")
+    if invisible := _INVISIBLE.search(value):
+        raise MessageError(
+            f"field {field!r}: {show(value)} holds U+{ord(invisible.group()):04X}, which prints as nothing"
+        )
     return value
 
 

@@ -121,6 +121,8 @@ def transaction_poison(
             body("bidi_override_in_id", terminal_id="T\u202e9"), "holds U+202E, not printable"),
         bad("zero_width_in_id", "a zero-width space, which makes two ids look the same",
             body("zero_width_in_id", terminal_id="T\u200b9"), "holds U+200B, not printable"),
+        bad("invisible_id", "an account_id of one Hangul filler, printable to Python yet blank",
+            body("invisible_id", account_id="\u3164"), "holds U+3164, which prints as nothing"),
         bad("overlong_id", "a 300-character event_id",
             body("overlong_id", event_id="E" * 300), "300 characters; the limit is 256"),
         bad("blank_id", "an event_id of spaces",

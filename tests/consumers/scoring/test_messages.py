@@ -125,6 +125,10 @@ NOW_US = parse_ts("2026-03-01T12:00:00Z", "now")
         (message(account_id="A\ud800"), "holds U+D800, a lone surrogate, which UTF-8 cannot encode"),
         (message(terminal_id="T\x00"), "holds U+0000, not printable"),
         (message(event_id="E\u202e1"), "holds U+202E, not printable"),  # right-to-left override
+        (message(account_id="A1\ufe0f"), "holds U+FE0F, which prints as nothing"),  # variation selector
+        (message(terminal_id="\u3164"), "holds U+3164, which prints as nothing"),  # Hangul filler: blank
+        (message(event_id="E\u034f1"), "holds U+034F, which prints as nothing"),  # grapheme joiner
+        (message(account_id="\u2800"), "holds U+2800, which prints as nothing"),  # Braille blank
         (message(country="F\nR"), "'country': 'F\\nR' holds U+000A"),
         (message(event_id="E" * 257), "257 characters; the limit is 256"),
         (message(ts="2026-03-01T13:00:01Z"), "3601 s in the future: more than max_ts_skew_s = 3600"),
@@ -144,6 +148,18 @@ def test_hostile_transactions_are_refused_with_a_reason(raw, reason):
         decode_transaction(raw, MessageLimits(), NOW_US)
     assert reason in str(error.value)
     assert len(str(error.value)) < 400  # the value is shown cut, never whole
+
+
+@pytest.mark.parametrize(
+    "account_id",
+    ["Ñandú-7", "N\u0303andu\u0301-7", "账户-7", "حساب-7", "कार्ड-7", "Ⓐ-7"],
+    ids=["latin", "decomposed marks", "han", "arabic", "devanagari", "symbol"],
+)
+def test_ids_in_any_script_are_accepted_marks_included(account_id):
+    # Combining marks and joiners that shape a script are visible: only what prints as nothing is refused.
+    assert (
+        decode_transaction(message(account_id=account_id), MessageLimits(), NOW_US).account_id == account_id
+    )
 
 
 def test_limits_are_settings():
