@@ -4,7 +4,7 @@ deployment's settings, and the package ships those of the defaults in consumers/
 holds the two equal).
 
 A schema says what JSON Schema can: fields, types, lengths and ranges. The decoder checks a little more,
-each documented in the field's description: ids of printable characters, timestamps within max_ts_skew_s
+each documented in the field's description: ids of printable, visible characters, timestamps within max_ts_skew_s
 of the instance's clock.
 """
 
@@ -25,8 +25,8 @@ def _id(limits: MessageLimits, description: str) -> dict:
         "minLength": 1,
         "maxLength": limits.max_id_chars,
         "pattern": r"\S",
-        "description": f"{description}; printable characters only (no control or format characters), "
-        f"at most max_id_chars = {limits.max_id_chars}",
+        "description": f"{description}; printable, visible characters only (no control or format characters, "
+        f"none that prints as nothing), at most max_id_chars = {limits.max_id_chars}",
     }
 
 
@@ -86,7 +86,7 @@ def transactions_schema(limits: MessageLimits) -> dict:
         properties[name] = {
             "type": ["string", "null"],
             "maxLength": limits.max_id_chars,
-            "description": f"optional {name}; printable characters only",
+            "description": f"optional {name}; printable, visible characters only",
         }
     assert tuple(properties) == TRANSACTION_FIELDS + OPTIONAL_TRANSACTION_FIELDS
     return _input("txsentinel transactions", properties, TRANSACTION_FIELDS, limits)
