@@ -131,6 +131,7 @@ class Scorer(HeldAccounts, HistoryReplay):
         transactions: Sequence[Transaction],
         positions: Sequence[tuple[int, int]] | None = None,
         labels: LabelBatch | None = None,
+        clock_us: int | None = None,
     ) -> Scored:
         """Apply a micro-batch (arrival order): one record per applied event, and the events rejected, with
         the reason, each in input order (module docstring: what is dropped and what is rejected).
@@ -138,6 +139,11 @@ class Scorer(HeldAccounts, HistoryReplay):
         positions: (partition, offset) of each transaction in its source topic; events at or before their
         account's last applied position in that partition are dropped (counted in stats). None: apply all.
         labels: fraud labels that became known during this batch (see StreamingFeaturizer.transform).
+        clock_us: the live service's clock. An event ahead of it (a producer's clock skew, up to
+        max_ts_skew_s) is featurized and stepped as of the clock, so that it moves no account's or
+        terminal's day forward before the clock gets there: one event stamped 00:20 at 23:30 would
+        otherwise end every other account's windows at that terminal on tomorrow until midnight. Its score
+        record keeps its own ts. None (a replay of history): every event at its own ts.
         """
         n = len(transactions)
         pos = None
@@ -159,6 +165,8 @@ class Scorer(HeldAccounts, HistoryReplay):
             ts_us=np.fromiter((t.ts_us for t in transactions), dtype=np.int64, count=n),
             amounts=np.fromiter((t.amount for t in transactions), dtype=np.float64, count=n),
         )
+        if clock_us is not None:
+            np.minimum(events.ts_us, clock_us, out=events.ts_us)
         out = self._score_batch(events, [t.event_id for t in transactions], pos, labels)
         records = [
             ScoreRecord(

@@ -121,7 +121,7 @@ class BatchScorer:
 
     def _decode(self, batch: dict, out: ScoredBatch) -> list[_Event]:
         events = []
-        now_us = time.time_ns() // 1000  # the clock ts is bounded by (max_ts_skew_s)
+        now_us = out.clock_us = time.time_ns() // 1000  # the clock ts is bounded by (max_ts_skew_s)
         for tp in sorted(batch, key=lambda tp: tp.partition):  # one partition's records keep their order
             for record in batch[tp]:
                 out.offsets[tp] = OffsetAndMetadata(record.offset + 1, "", -1)
@@ -162,7 +162,9 @@ class BatchScorer:
         scorer = self.scorer
         dropped_before = scorer.stats.duplicates_dropped
         scored = scorer.score_batch(
-            [e.tx for e in events], [(e.record.partition, e.record.offset) for e in events]
+            [e.tx for e in events],
+            [(e.record.partition, e.record.offset) for e in events],
+            clock_us=out.clock_us,
         )
         for rejected in scored.rejected:
             record = events[rejected.index].record

@@ -62,6 +62,7 @@ class ScoredBatch:
 
     polled: dict[TopicPartition, list]  # the consumer's records: what a rewind seeks back over
     seq: int = 0  # numbers the batches scored by this instance, from 1
+    clock_us: int | None = None  # the instance's clock when the batch was decoded (what bounds its ts)
     records: list[OutputRecord] = field(default_factory=list)  # in send order
     offsets: dict[TopicPartition, OffsetAndMetadata] = field(default_factory=dict)  # next offset to read
     events: int = 0  # polled records, dead letters included

@@ -16,7 +16,7 @@ import torch
 from kafka.structs import TopicPartition
 
 from consumers.runtime.settings import load_serve_config
-from consumers.scoring.messages import Transaction, encode_transaction
+from consumers.scoring.messages import Transaction, encode_transaction, format_ts
 from consumers.scoring.scorer import Scorer
 from consumers.service import batch_scoring
 from consumers.service.batch_scoring import BatchScorer
@@ -198,3 +198,29 @@ def test_carefully_the_event_that_fails_alone_is_dead_lettered_and_the_rest_goes
     assert "A3" not in faulty.accounts_in_memory  # the failed event's new account is gone with it
     assert faulty.featurizer.terminals.get_bytes("T1") == clean.featurizer.terminals.get_bytes("T1")
     assert (out.scored, out.dead_lettered) == (4, 2)
+
+
+def test_an_event_ahead_of_the_clock_is_featurized_as_of_the_clock(monkeypatch):
+    # At 23:30 UTC an event stamped 00:20 tomorrow (clock skew, within max_ts_skew_s) at a busy terminal:
+    # were it counted on tomorrow, every other event at that terminal until midnight would read its
+    # windows as ending tomorrow. It scores as if stamped at the clock, and keeps its own ts in the output.
+    clock = 20_000 * 86_400_000_000 + 23 * HOUR_US + HOUR_US // 2
+    monkeypatch.setattr(
+        batch_scoring, "time", SimpleNamespace(time_ns=lambda: clock * 1000, monotonic=time.monotonic)
+    )
+    busy = [(f"A{i}".encode(), tx_value(f"E{i}", f"A{i}", clock - HOUR_US + i)) for i in range(20)]
+    victim = (b"V", tx_value("EV", "V", clock + 60_000_000))
+
+    def scores(stamped_us: int) -> dict[str, dict]:
+        batches = hostile_batch_scorer(tiny_scorer())
+        outs = [batches.score(polled(busy))]
+        outs.append(batches.score(polled([(b"P", tx_value("EP", "P", stamped_us))], [20])))
+        outs.append(batches.score(polled([victim], [21])))
+        records = [json.loads(v) for out in outs for t, _, v, _ in out.records if t == "p-scores"]
+        return {record["event_id"]: record for record in records}
+
+    ahead = clock + 50 * 60_000_000  # 00:20 tomorrow
+    skewed, at_clock = scores(ahead), scores(clock)
+    assert skewed["EV"]["score"] == at_clock["EV"]["score"]
+    assert skewed["EP"]["score"] == at_clock["EP"]["score"]
+    assert skewed["EP"]["ts"] == format_ts(ahead)  # its own ts, 00:20 tomorrow
