@@ -47,26 +47,40 @@ def _open_sqlite_store_once(uri: str) -> None:
         MlflowClient(uri).search_experiments(max_results=1)
 
 
-def _find_model_dir(root: Path) -> Path:
-    candidates = [p.parent for p in root.rglob("detector.json")]
+def _find_model_dir(root: Path, uri: str) -> Path:
+    """The one model directory (holding detector.json) at or under `root`. More than one is refused rather
+    than one picked: `--model .` in a directory of training runs would score with whichever came first."""
+    if (root / "detector.json").is_file():
+        return root
+    candidates = sorted(p.parent for p in root.rglob("detector.json"))
     if not candidates:
-        raise FileNotFoundError(f"{root} holds no txsentinel model (no detector.json inside)")
-    return min(candidates, key=lambda p: len(p.parts))
+        raise FileNotFoundError(f"model {uri!r}: {root} holds no txsentinel model (no detector.json inside)")
+    if len(candidates) > 1:
+        raise ValueError(
+            f"model {uri!r}: {root} holds {len(candidates)} txsentinel models ({candidates[0]}, "
+            f"{candidates[1]}, ...), not one; name the directory of the one to use"
+        )
+    return candidates[0]
 
 
 def load_model(uri: str) -> LoadedModel:
     """A detector and its feature spec from `models:/NAME@ALIAS`, `models:/NAME/VERSION`, `runs:/RUN/model`
     or a local directory. A registered version's meta names it (model_version `models:/NAME/VERSION`)."""
+    if not uri.strip():  # Path("") is the working directory: an unset $MODEL would load whatever lies there
+        raise ValueError(
+            f"model {uri!r}: an empty model URI; give models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN/model "
+            "or a model directory"
+        )
     local = Path(uri)
     if local.exists():
-        return load_model_dir(_find_model_dir(local), source=uri)
+        return load_model_dir(_find_model_dir(local, uri), source=uri)
     if not uri.startswith(("models:/", "runs:/")):
         raise FileNotFoundError(f"model {uri!r}: not a local directory, nor a models:/ or runs:/ URI")
     configure_tracking()
     registered = registered_version(uri)  # an alias is resolved once: what is downloaded is what it named
     pinned = uri if registered is None else f"models:/{registered[0]}/{registered[1]}"
     downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=pinned))
-    model = load_model_dir(_find_model_dir(downloaded), source=uri)
+    model = load_model_dir(_find_model_dir(downloaded, uri), source=uri)
     if registered is not None:
         # what its scores carry as model_version: the version itself, which an alias moved later still names
         model.meta.setdefault("model_version", pinned)

@@ -3,9 +3,11 @@
 store in tmp."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from kafka.errors import InvalidReplicationFactorError, TopicAuthorizationFailedError
@@ -105,6 +107,53 @@ def test_every_command_that_reads_a_model_names_one_that_does_not_resolve(comman
 def test_no_model_at_all_says_where_to_give_one(capsys):
     line = refused(capsys, ["serve"], 2)
     assert "no model to serve: pass --model URI, or set TXS_MODEL_URI" in line
+
+
+@pytest.fixture
+def two_runs(tmp_path, tiny_model) -> Path:
+    """A directory of training runs, as mlruns/ is: two models under it, neither at its top."""
+    runs = tmp_path / "runs"
+    for run in ("run-a", "run-b"):
+        shutil.copytree(tiny_model, runs / run / "artifacts" / "model")
+    return runs
+
+
+@pytest.mark.parametrize("command", [["serve", *FAST], ["backtest", "--data", "unread"]], ids=lambda c: c[0])
+def test_an_empty_model_uri_or_a_directory_of_several_models_is_refused_not_one_picked(
+    command, two_runs, monkeypatch, capsys
+):
+    # Path("") is the working directory: an unset $MODEL used to load the first model found under it.
+    monkeypatch.chdir(two_runs)
+    line = refused(capsys, [*command, "--model", ""], 2)
+    assert "model '': an empty model URI" in line
+    line = refused(capsys, [*command, "--model", "."], 2)
+    assert "holds 2 txsentinel models" in line
+    assert "run-a/artifacts/model" in line and "run-b/artifacts/model" in line
+
+
+@pytest.mark.parametrize(
+    "command", [["bench", "trees"], ["bench", "reasons"], ["bench", "stream"]], ids=" ".join
+)
+def test_every_bench_that_reads_a_model_refuses_an_empty_uri(command, two_runs):
+    # In a process of its own, as above, with a real dataset; in a directory of models, so that picking one
+    # would succeed.
+    data = two_runs.parent / "data"
+    write_dataset(generate(GenerateConfig(accounts=20, days=3, seed=0)), data, source={"generator": "test"})
+    reads = [] if command == ["bench", "stream"] else ["--data", str(data)]
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli.main", *command, *reads, "--model", ""],
+        cwd=two_runs,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"txsentinel {command[0]}: model '': an empty model URI")
+    )
 
 
 @pytest.mark.parametrize("command", ["serve", "terminal-writer"])

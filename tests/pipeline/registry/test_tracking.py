@@ -7,8 +7,12 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
+from models.registry import build_detector
 from pipeline.cli.main import main
-from pipeline.registry.tracking import configure_tracking
+from pipeline.features import FEATURE_NAMES
+from pipeline.features.spec import FeatureSpec
+from pipeline.registry.artifact import save_model_dir
+from pipeline.registry.tracking import configure_tracking, load_model
 
 OPEN_STORE = """
 from pipeline.registry.tracking import configure_tracking
@@ -58,3 +62,18 @@ def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, m
 
     assert main(["promote", "--alias", "champion", "--model-name", "held", "--run", run.info.run_id]) == 0
     assert int(client.get_model_version_by_alias("held", "champion").version) == 1
+
+
+def test_a_directory_is_loaded_only_when_it_holds_exactly_one_model(tmp_path):
+    spec = FeatureSpec(mean=(0.0,) * len(FEATURE_NAMES), std=(1.0,) * len(FEATURE_NAMES))
+    detector = build_detector("lstm", {"num_features": len(FEATURE_NAMES), "d_model": 8, "num_layers": 1})
+    save_model_dir(tmp_path / "runs" / "a" / "model", detector, spec, {})
+    assert load_model(str(tmp_path / "runs")).detector.name == "lstm"  # one, however deep: that one
+    save_model_dir(tmp_path / "runs" / "b" / "model", detector, spec, {})
+    with pytest.raises(
+        ValueError, match=r"holds 2 txsentinel models \(.*a/model, .*b/model, \.\.\.\), not one"
+    ):
+        load_model(str(tmp_path / "runs"))  # the first found used to be taken
+    assert load_model(str(tmp_path / "runs" / "b" / "model")).detector.name == "lstm"
+    with pytest.raises(ValueError, match="an empty model URI"):
+        load_model("")  # Path("") is the working directory
