@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Self
 import torch
 from torch import Tensor, nn
 
-from models.checks import is_integer
+from models.checks import is_integer, is_number
 
 State = dict[str, Tensor]
 
@@ -70,6 +70,8 @@ class DetectorConfig:
                         f"{type(self).__name__}.{field.name} = {value!r}: expected a number"
                     ) from None
                 object.__setattr__(self, field.name, value)
+            if field.type is float and not is_number(value):  # a list or null would fail below as a TypeError
+                raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected a number")
             if field.type is int and (not is_integer(value) or value < 1):
                 raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected an integer >= 1")
             # A switch must be a bool: the string "false" (a hand-written JSON config) would be truthy.

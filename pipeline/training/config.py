@@ -6,12 +6,14 @@ this file is about the run.
 """
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import configs
 from models.checks import is_finite_number, is_integer, read_setting, read_yaml_file
+from models.registry import REGISTRY, config_class
 from pipeline.data.splits import DAY, Period, Split
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
@@ -70,9 +72,15 @@ class TrainConfig:
     progress_bar: bool = True
 
     def __post_init__(self):
+        _check_kinds(self)
         for name, minimum in _INTEGER_MINIMUMS.items():
             if not (name in _OPTIONAL and getattr(self, name) is None):
                 _check_integer(name, getattr(self, name), minimum)
+        if self.num_workers > CPUS:  # each worker is a process holding a copy of the batches
+            raise ValueError(
+                f"train config: num_workers = {self.num_workers}, expected at most {CPUS} (this machine's CPUs)"
+            )
+        _check_model_config(self)
         if self.hybrid_base not in SEQUENCE_MODELS or self.hybrid_base == "hybrid":
             bases = [m for m in SEQUENCE_MODELS if m != "hybrid"]
             raise ValueError(f"train config: hybrid_base = {self.hybrid_base!r}, expected one of {bases}")
@@ -129,6 +137,74 @@ _NUMBER_BOUNDS = {
 _OPTIONAL = {"train_days", "pos_weight"}  # None: derived from the data (see the fields' comments)
 
 
+ACCELERATORS = ("cpu", "gpu", "cuda")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")  # Lightning's names
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+PERIOD_EXAMPLE = "START:END ISO dates, end exclusive, e.g. 2026-03-01:2026-03-15"
+# The detector config's fields that the dataset's features set: a value given for them would not fit the data.
+FROM_THE_FEATURES = ("num_features", "terminal_buckets")
+
+
+def _check_kinds(cfg: TrainConfig) -> None:
+    """Each setting that is not a number holds a value of its kind (the numbers: _INTEGER_MINIMUMS and
+    _NUMBER_BOUNDS). YAML gives whatever it reads: `test_period: 2026-01-01` a date, `experiment:` null."""
+    for name in ("train_period", "test_period"):
+        value = getattr(cfg, name)
+        if value is not None and not isinstance(value, Period):
+            raise ValueError(f"train config: {name} = {_shown(value)}, expected {PERIOD_EXAMPLE}")
+    for name in ("model", "hybrid_base", "experiment", "registered_model"):
+        value = getattr(cfg, name)
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"train config: {name} = {_shown(value)}, expected a name")
+    if cfg.accelerator not in ACCELERATORS:
+        raise ValueError(
+            f"train config: accelerator = {_shown(cfg.accelerator)}, expected one of {ACCELERATORS}"
+        )
+    if cfg.precision is not None and cfg.precision not in PRECISIONS:
+        raise ValueError(
+            f"train config: precision = {_shown(cfg.precision)}, expected one of {PRECISIONS} or null "
+            "(bf16-mixed on GPU, 32-true on CPU)"
+        )
+    if not isinstance(cfg.progress_bar, bool):
+        raise ValueError(f"train config: progress_bar = {_shown(cfg.progress_bar)}, expected true or false")
+    if not isinstance(cfg.out_dir, Path):
+        raise ValueError(f"train config: out_dir = {_shown(cfg.out_dir)}, expected a directory")
+    if not isinstance(cfg.model_config, dict) or not all(isinstance(key, str) for key in cfg.model_config):
+        raise ValueError(
+            f"train config: model_config = {_shown(cfg.model_config)}, expected a mapping of the detector's "
+            "settings, e.g. --set model_config.d_model=32"
+        )
+
+
+def _check_model_config(cfg: TrainConfig) -> None:
+    """model_config names fields of the detector trained, with values it takes: refused now, not as a
+    TypeError once the data is read. (The per-event baselines have no detector config to check against.)"""
+    if cfg.trained_detector not in REGISTRY:
+        return
+    config_type = config_class(cfg.trained_detector)
+    known = sorted({f.name for f in dataclasses.fields(config_type)} - set(FROM_THE_FEATURES))
+    unknown = sorted(set(cfg.model_config) - set(known))
+    if unknown:
+        features = [key for key in unknown if key in FROM_THE_FEATURES]
+        because = f" ({', '.join(features)}: set from the dataset's features)" if features else ""
+        raise ValueError(
+            f"train config: model_config {unknown} not settings of the {cfg.trained_detector} detector"
+            f"{because}; known: {known}"
+        )
+    try:
+        config_type(**{**config_type().to_dict(), **cfg.model_config})
+    except ValueError as error:
+        raise ValueError(f"train config: model_config: {error}") from None
+
+
+def _shown(value: Any) -> str:
+    """A value as the operator wrote it (a YAML date as 2026-01-01, not datetime.date(2026, 1, 1)), with its
+    kind when it is not text."""
+    if value is None:
+        return "null"
+    return repr(value) if isinstance(value, str) else f"{value} (a {type(value).__name__})"
+
+
 def _check_integer(name: str, value: Any, minimum: int) -> None:
     if not is_integer(value) or value < minimum:
         raise ValueError(f"train config: {name} = {value!r}, expected an integer >= {minimum}")
@@ -141,8 +217,8 @@ def _check_number(name: str, value: Any, bound: float, inclusive: bool) -> None:
 
 
 def _coerce(name: str, value: Any) -> Any:
-    if name in ("data", "out_dir"):
-        return Path(value)
+    if name in ("data", "out_dir") and isinstance(value, str | os.PathLike) and str(value).strip():
+        return Path(value)  # anything else is refused by name (_check_kinds)
     if name in ("train_period", "test_period") and isinstance(value, str):
         return Period.parse(value)
     if name in _FLOAT_SETTINGS and isinstance(value, str):
@@ -172,20 +248,28 @@ def _set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
         values[head] = value
 
 
+def _refuse_data(values: dict[str, Any], where: str) -> None:
+    # The dataset is --data's alone: a second one given here was ignored.
+    if "data" in values:
+        raise ValueError(f"{where}: the dataset is given by --data DIR, not as a setting")
+
+
 def load_train_config(
     data: Path, config_file: Path | None = None, overrides: list[str] = (), **explicit: Any
 ) -> TrainConfig:
     """Defaults < YAML file < explicit keyword arguments (CLI flags) < `key=value` overrides."""
     values: dict[str, Any] = {}
+    where = f" in {config_file}" if config_file else ""
     if config_file is not None:
         values.update(read_yaml_file(config_file, "train settings"))
+        _refuse_data(values, f"train setting data{where}")
     values.update({k: v for k, v in explicit.items() if v is not None})
     for item in overrides:
         _set_dotted(values, *read_setting(item, "max_epochs=3"))
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+        _refuse_data(values, f"--set {item}")
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"data"}
     unknown = sorted(set(values) - known)
     if unknown:
-        where = f" in {config_file}" if config_file else ""
         raise ValueError(f"unknown train setting(s) {unknown}{where}; known: {sorted(known)}")
     values["data"] = data
     return TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})

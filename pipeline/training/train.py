@@ -142,6 +142,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         if cfg.model in BASELINES:
             return train_baseline(cfg)
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {sorted(REGISTRY) + sorted(BASELINES)}")
+    _check_devices(cfg)
     started = time.perf_counter()
     pl_lightning.seed_everything(cfg.seed, workers=True, verbose=False)
     ready = prepare(cfg)
@@ -238,6 +239,18 @@ def train(cfg: TrainConfig) -> TrainResult:
         f"{train_seconds:.0f} s"
     )
     return TrainResult(run_id, cfg.model, model_uri, version, results)
+
+
+def _check_devices(cfg: TrainConfig) -> None:
+    """GPUs asked for are here, before the data is read (Lightning would say so in a traceback, after)."""
+    if cfg.accelerator == "cpu":
+        return
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < cfg.devices:
+        raise ValueError(
+            f"train config: accelerator = {cfg.accelerator!r} with devices = {cfg.devices}, but this machine has "
+            f"{found} CUDA GPU(s) visible to torch; use --accelerator cpu, or fewer --devices"
+        )
 
 
 def _leave_process_group() -> None:

@@ -3,10 +3,13 @@
 import re
 
 import pytest
+import torch
 import yaml
 
 from models.registry import REGISTRY, config_class
+from pipeline.cli.main import main
 from pipeline.training.config import PROFILES_DIR, QUICK_PROFILE, TrainConfig, load_train_config
+from pipeline.training.train import train
 
 PROFILES = sorted(PROFILES_DIR.glob("*.yaml"))
 
@@ -165,3 +168,93 @@ def test_the_thorough_profile_trains_each_detector_at_the_rate_its_figures_were_
 def test_a_learning_rate_that_is_not_a_finite_positive_number_is_refused_with_its_value(rate, tmp_path):
     with pytest.raises(ValueError, match=r"train config: learning_rate = .*, expected a finite number > 0"):
         load_train_config(tmp_path, None, [f"learning_rate={rate}"])
+
+
+@pytest.mark.parametrize(
+    "setting, expected",
+    [
+        (
+            "model_config.nope=3",
+            "model_config ['nope'] not settings of the linear_transformer detector; known: [",
+        ),
+        (
+            "model_config.num_features=5",
+            "model_config ['num_features'] not settings of the linear_transformer detector (num_features: "
+            "set from the dataset's features)",
+        ),
+        ("model_config=5", "model_config = 5 (a int), expected a mapping of the detector's settings"),
+        ("model_config=[1]", "model_config = [1] (a list), expected a mapping"),
+        (
+            "model_config.dropout=[1]",
+            "model_config: LinearTransformerConfig.dropout = [1]: expected a number",
+        ),
+        (
+            "model_config.d_model=0",
+            "model_config: LinearTransformerConfig.d_model = 0: expected an integer >= 1",
+        ),
+        ("train_period=2026-01-01", "train_period = 2026-01-01 (a date), expected START:END ISO dates"),
+        ("test_period=7", "test_period = 7 (a int), expected START:END ISO dates"),
+        ("out_dir=", "out_dir = null, expected a directory"),
+        ("out_dir=[1]", "out_dir = [1] (a list), expected a directory"),
+        ("experiment=", "experiment = null, expected a name"),
+        ("experiment=[1]", "experiment = [1] (a list), expected a name"),
+        ("registered_model=' '", "registered_model = ' ', expected a name"),
+        ("progress_bar=maybe", "progress_bar = 'maybe', expected true or false"),
+        ("accelerator=tpu", "accelerator = 'tpu', expected one of ('cpu', 'gpu', 'cuda')"),
+        ("precision=8-bit", "precision = '8-bit', expected one of ("),
+        ("num_workers=100000", "num_workers = 100000, expected at most"),
+    ],
+)
+def test_a_setting_that_is_not_a_value_of_its_kind_is_refused_before_any_data_is_read(
+    setting, expected, tmp_path
+):
+    # Each of these used to pass, then fail as a TypeError or AttributeError deep in training, or be ignored.
+    with pytest.raises(ValueError, match=re.escape(f"train config: {expected}")):
+        load_train_config(tmp_path, None, [setting])
+
+
+def test_the_detector_settings_are_checked_against_the_detector_trained(tmp_path):
+    # A hybrid's model_config is its base's; a per-event baseline has no detector config to check against.
+    load_train_config(tmp_path, None, ["model_config.num_heads=2"], model="hybrid", hybrid_base="transformer")
+    with pytest.raises(ValueError, match=r"not settings of the lstm detector"):
+        load_train_config(tmp_path, None, ["model_config.num_heads=2"], model="hybrid", hybrid_base="lstm")
+    load_train_config(tmp_path, None, ["model_config.d_model=16"], model="logreg")
+
+
+def test_a_file_is_checked_as_the_flags_are(tmp_path):
+    path = tmp_path / "profile.yaml"
+    path.write_text("model_config: {nope: 1}\n")
+    with pytest.raises(ValueError, match=r"model_config \['nope'\] not settings"):
+        load_train_config(tmp_path, path)
+    path.write_text("test_period: 2026-01-01\n")  # YAML reads it as a date
+    with pytest.raises(ValueError, match=r"test_period = 2026-01-01 \(a date\), expected START:END"):
+        load_train_config(tmp_path, path)
+
+
+def test_the_dataset_is_given_by_data_alone_never_as_a_setting(tmp_path):
+    # It was accepted and then ignored: the run trained on --data's dataset while the file named another.
+    with pytest.raises(ValueError, match=r"--set data=/nonexistent: the dataset is given by --data DIR"):
+        load_train_config(tmp_path, None, ["data=/nonexistent"])
+    path = tmp_path / "profile.yaml"
+    path.write_text("data: elsewhere\n")
+    with pytest.raises(
+        ValueError, match=r"train setting data in .*profile\.yaml: the dataset is given by --data"
+    ):
+        load_train_config(tmp_path, path)
+
+
+def test_gpus_asked_for_that_the_machine_lacks_are_named_before_the_data_is_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_train_config(tmp_path / "never-read", accelerator="gpu", devices=2)
+    with pytest.raises(
+        ValueError, match=r"accelerator = 'gpu' with devices = 2, but this machine has 0 CUDA GPU"
+    ):
+        train(cfg)
+
+
+@pytest.mark.parametrize("setting", ["model_config.nope=3", "experiment=[1]", "accelerator=tpu"])
+def test_the_command_line_refuses_a_bad_setting_in_one_line_with_exit_code_2(setting, tmp_path, capsys):
+    assert main(["train", "--data", str(tmp_path), "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("txsentinel train: train config: ")
