@@ -297,12 +297,35 @@ class TrainResult:
 
 
 def resolve_split(cfg: TrainConfig, days: Period) -> tuple[Split, Period]:
-    """(train / delay / test split, validation period = the last validation_days of training)."""
+    """(train / delay / test split, validation period = the last validation_days of training) over `days`, the
+    dataset's. A split that does not fit the data is refused naming the data's span and the settings that
+    carve it."""
+    try:
+        return _carve(cfg, days)
+    except ValueError as error:
+        raise ValueError(
+            f"{error}. The dataset spans {days} ({days.days} days), carved by {_carving(cfg)}: give more data, "
+            "or change those settings (--set test_days=N, --train-period, --test-period)"
+        ) from None
+
+
+def _carve(cfg: TrainConfig, days: Period) -> tuple[Split, Period]:
+    for name in ("train_period", "test_period"):
+        period = getattr(cfg, name)
+        if period is not None and (period.start < days.start or period.end > days.end):
+            raise ValueError(f"{name} {period} is not inside the data")
     if cfg.test_period is not None and cfg.train_period is not None:
         split = Split.from_periods(cfg.train_period, cfg.test_period)
     else:
         test = cfg.test_period or Period(days.end - cfg.test_days * DAY, days.end)
+        if test.start <= days.start:
+            raise ValueError(f"test period {test} leaves no days before it to train on")
         train_end = test.start - cfg.delay_days * DAY
+        if cfg.train_period is None and train_end <= days.start:
+            raise ValueError(
+                f"the test period {test} with the delay before it leaves no days to train on (training would "
+                f"end {train_end.date()})"
+            )
         train_start = (
             days.start if cfg.train_days is None else max(days.start, train_end - cfg.train_days * DAY)
         )
@@ -310,7 +333,19 @@ def resolve_split(cfg: TrainConfig, days: Period) -> tuple[Split, Period]:
     if split.train.days <= cfg.validation_days:
         raise ValueError(
             f"training period {split.train} has {split.train.days} days, not more than validation_days = "
-            f"{cfg.validation_days}; give more data, a longer --train-period, or --set validation_days=N"
+            f"{cfg.validation_days}"
         )
     validation = Period(split.train.end - cfg.validation_days * DAY, split.train.end)
     return split, validation
+
+
+def _carving(cfg: TrainConfig) -> str:
+    """The settings that carve a dataset into train / delay / test, as they stand."""
+    given = [
+        f"{name} = {getattr(cfg, name)}" for name in ("train_period", "test_period") if getattr(cfg, name)
+    ]
+    if cfg.train_period is None or cfg.test_period is None:
+        counts = ["test_days", "delay_days"] if cfg.test_period is None else ["delay_days"]
+        counts += ["train_days"] if cfg.train_period is None and cfg.train_days is not None else []
+        given += [f"{name} = {getattr(cfg, name)}" for name in counts]
+    return ", ".join([*given, f"validation_days = {cfg.validation_days}"])

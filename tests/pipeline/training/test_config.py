@@ -8,7 +8,14 @@ import yaml
 
 from models.registry import REGISTRY, config_class
 from pipeline.cli.main import main
-from pipeline.training.config import PROFILES_DIR, QUICK_PROFILE, TrainConfig, load_train_config
+from pipeline.data.splits import Period
+from pipeline.training.config import (
+    PROFILES_DIR,
+    QUICK_PROFILE,
+    TrainConfig,
+    load_train_config,
+    resolve_split,
+)
 from pipeline.training.train import train
 
 PROFILES = sorted(PROFILES_DIR.glob("*.yaml"))
@@ -258,3 +265,45 @@ def test_the_command_line_refuses_a_bad_setting_in_one_line_with_exit_code_2(set
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert err.startswith("txsentinel train: train config: ")
+
+
+FOUR_WEEKS = Period.parse("2026-01-01:2026-01-29")  # the days of a dataset
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        # Outside the data: the validation week held no events, and Lightning's early stopping failed on a
+        # metric it never saw.
+        (["test_period=2030-01-01:2030-01-03"], "test_period 2030-01-01:2030-01-03 is not inside the data"),
+        (["train_period=2025-12-01:2026-01-10"], "train_period 2025-12-01:2026-01-10 is not inside the data"),
+        (["test_days=21"], "the test period 2026-01-08:2026-01-29 with the delay before it leaves no days"),
+        (["test_days=28"], "test period 2026-01-01:2026-01-29 leaves no days before it to train on"),
+        (["test_days=40"], "test period 2025-12-20:2026-01-29 leaves no days before it to train on"),
+        (["validation_days=7", "test_days=14"], "has 7 days, not more than validation_days = 7"),
+    ],
+)
+def test_a_split_that_does_not_fit_the_data_names_the_data_span_and_the_settings_that_carve_it(
+    settings, expected, tmp_path
+):
+    with pytest.raises(ValueError) as refused:
+        resolve_split(load_train_config(tmp_path, None, settings), FOUR_WEEKS)
+    message = str(refused.value)
+    assert expected in message
+    assert "The dataset spans 2026-01-01:2026-01-29 (28 days), carved by " in message
+    assert "validation_days = " in message and "\n" not in message
+
+
+def test_the_settings_named_are_those_that_carved_the_split(tmp_path):
+    with pytest.raises(ValueError, match=r"carved by test_days = 40, delay_days = 7, validation_days = 7:"):
+        resolve_split(load_train_config(tmp_path, None, ["test_days=40"]), FOUR_WEEKS)
+    periods = ["train_period=2026-01-01:2026-01-05", "test_period=2026-01-10:2026-01-12"]
+    with pytest.raises(ValueError, match=r"carved by train_period = 2026-01-01:2026-01-05, test_period = "):
+        resolve_split(load_train_config(tmp_path, None, periods), FOUR_WEEKS)
+    five_weeks = Period.parse("2026-01-01:2026-02-05")  # 14 train (7 of them validation), 7 delay, 14 test
+    split, validation = resolve_split(load_train_config(tmp_path), five_weeks)
+    assert (str(split.train), str(validation), str(split.test)) == (
+        "2026-01-01:2026-01-15",
+        "2026-01-08:2026-01-15",
+        "2026-01-22:2026-02-05",
+    )
