@@ -14,6 +14,7 @@ import numpy as np
 import polars as pl
 
 from models.hybrid import HybridDetector
+from pipeline.data.dataset import require_labels
 from pipeline.data.generate import FRAUD_SCENARIOS
 from pipeline.registry.tracking import load_model
 from pipeline.training.config import load_train_config
@@ -42,6 +43,7 @@ def run_tree_bench(data: Path, model_uri: str, test_days: int = 7) -> pl.DataFra
     """One row a recipe (RECIPES): trees fitted over `model_uri`'s scores on `data`, tested on the protocol."""
     model = load_model(model_uri)
     base = model.detector.base if isinstance(model.detector, HybridDetector) else model.detector
+    require_labels(data, "the trees are fitted and tested on known fraud")
     cfg = load_train_config(data, None, [f"test_days={test_days}"], model=base.name)
     ready = prepare(cfg, model.spec)
     windows = ready.windows

@@ -101,6 +101,16 @@ def read_dataset(data_dir: str | Path) -> pl.DataFrame:
     return scan_dataset(data_dir).collect()
 
 
+def require_labels(data_dir: str | Path, needed_for: str) -> None:
+    """Refuses a dataset without fraud labels (ingested with no is_fraud column) for what needs them, before
+    any work: reads the schema only."""
+    if "is_fraud" not in scan_dataset(data_dir).collect_schema().names():
+        raise ValueError(
+            f"dataset {data_dir} has no labels (no is_fraud column): {needed_for}. Ingest the data with its "
+            "fraud labels (is_fraud in the mapping), or generate a labelled dataset"
+        )
+
+
 __all__ = [
     "METADATA_FILE",
     "QUARANTINE_FILE",
@@ -109,6 +119,7 @@ __all__ = [
     "DatasetSummary",
     "read_dataset",
     "read_metadata",
+    "require_labels",
     "scan_dataset",
     "summarize",
     "write_dataset",

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from consumers.scoring.scorer import Scorer
 from models.checks import is_integer
-from pipeline.data.dataset import read_dataset
+from pipeline.data.dataset import read_dataset, require_labels
 from pipeline.data.splits import DAY, Period, dataset_days, prequential_test_periods
 from pipeline.evaluation.protocol import (
     BUDGETS,
@@ -211,9 +211,8 @@ def _warn_on_training_overlap(meta: dict[str, Any], periods: list[Period]) -> No
 def backtest(cfg: BacktestConfig, model: LoadedModel | None = None) -> BacktestResult:
     """Replay cfg.data through the live scorer of `model` (loaded from cfg.model_uri when not given)."""
     model = load_model(cfg.model_uri) if model is None else model
+    require_labels(cfg.data, "a backtest needs known outcomes")
     frame = read_dataset(cfg.data)
-    if "is_fraud" not in frame.columns:
-        raise ValueError(f"dataset {cfg.data} has no is_fraud labels: a backtest needs known outcomes")
     span = dataset_days(frame)
     last = cfg.test_period or Period(span.end - DEFAULT_TEST_DAYS * DAY, span.end)
     periods = prequential_test_periods(last, cfg.folds, span)

@@ -21,7 +21,7 @@ import polars as pl
 from mlflow.tracking import MlflowClient
 from sklearn.metrics import precision_recall_curve
 
-from pipeline.data.dataset import read_dataset
+from pipeline.data.dataset import read_dataset, require_labels
 from pipeline.data.splits import Period, dataset_days
 from pipeline.evaluation.plots import SCORES_ARTIFACT
 from pipeline.evaluation.protocol import budget_curve, card_precision_at_k
@@ -171,6 +171,7 @@ def write_plots(table: pl.DataFrame, client: MlflowClient, out: Path, data: Path
     out.mkdir(parents=True, exist_ok=True)
     labels = None
     if data is not None:
+        require_labels(data, "compare --data reads which frauds were known when")
         labels = read_dataset(data).select("account_id", "ts", "is_fraud", "label_ts")
     pr, cp, budget = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:

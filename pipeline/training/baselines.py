@@ -9,7 +9,7 @@ import polars as pl
 from sklearn.ensemble import HistGradientBoostingClassifier, IsolationForest, RandomForestClassifier
 from sklearn.linear_model import LogisticRegression
 
-from pipeline.data.dataset import read_dataset
+from pipeline.data.dataset import read_dataset, require_labels
 from pipeline.data.splits import dataset_days, known_target
 from pipeline.evaluation.plots import log_evaluation
 from pipeline.evaluation.protocol import detection_metrics, scenario_metrics
@@ -42,6 +42,7 @@ BASELINES = ("logreg", "random_forest", "hist_gbdt", "isolation_forest")
 
 def train_baseline(cfg: TrainConfig):
     started = time.perf_counter()
+    require_labels(cfg.data, f"{cfg.model} is trained and tested on known fraud")
     frame = read_dataset(cfg.data)
     split, _ = resolve_split(cfg, dataset_days(frame))
     features = compute_features(frame.filter(pl.col("ts") < split.test.end))

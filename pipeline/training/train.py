@@ -25,6 +25,7 @@ from pytorch_lightning.loggers import MLFlowLogger
 from models.contract import RecurrentDetector
 from models.hybrid import HybridDetector
 from models.registry import REGISTRY, build_detector, config_class
+from pipeline.data.dataset import require_labels
 from pipeline.data.splits import Period, Split
 from pipeline.evaluation.plots import log_evaluation
 from pipeline.features.drift_reference import fit_reference
@@ -143,6 +144,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             return train_baseline(cfg)
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {sorted(REGISTRY) + sorted(BASELINES)}")
     _check_devices(cfg)
+    require_labels(cfg.data, f"{cfg.model} is trained and tested on known fraud")
     started = time.perf_counter()
     pl_lightning.seed_everything(cfg.seed, workers=True, verbose=False)
     ready = prepare(cfg)

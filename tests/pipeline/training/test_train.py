@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipeline.cli.commands import run_generate
+from pipeline.data.dataset import read_dataset, write_dataset
 from pipeline.data.generate import GenerateConfig
 from pipeline.evaluation.plots import SCORES_ARTIFACT
 from pipeline.registry.tracking import load_model, promote
@@ -216,3 +217,18 @@ def test_threshold_raises_the_alert_budget_on_validation():
     assert chosen.validation_precision == pytest.approx(5 / 10)
     with pytest.raises(ValueError, match="alert budget must be > 0"):
         choose_threshold(scores, fraud, ts, budget_per_day=0)
+
+
+@pytest.mark.parametrize("model", ["lstm", "logreg", "isolation_forest"])
+def test_a_dataset_without_labels_is_refused_as_such_by_every_model(model, tmp_path):
+    # Ingested without an is_fraud column. A baseline failed in polars on the missing column, and a sequence
+    # model said there was no known fraud in the training window, as if a longer period would find some.
+    labelled = tmp_path / "labelled"
+    run_generate(GenerateConfig(accounts=30, days=4, seed=0), labelled)
+    unlabelled = read_dataset(labelled).drop("is_fraud", "label_ts")
+    write_dataset(unlabelled, tmp_path / "unlabelled", source={"test": "no labels"})
+    cfg = load_train_config(tmp_path / "unlabelled", None, ["max_epochs=1"], model=model)
+    with pytest.raises(
+        ValueError, match=r"unlabelled has no labels \(no is_fraud column\): .* known fraud\."
+    ):
+        train(cfg)
