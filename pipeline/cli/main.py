@@ -109,20 +109,18 @@ def _backtest(args: argparse.Namespace) -> int:
     from pipeline.evaluation.backtest import BacktestConfig, backtest
     from pipeline.registry.tracking import load_model
 
+    cfg = BacktestConfig(  # the flags are checked before the model is fetched
+        data=args.data,
+        model_uri=args.model,
+        test_period=Period.parse(args.test_period) if args.test_period else None,
+        folds=args.folds,
+        k=args.k,
+        out=args.out,
+        log_to_mlflow=not args.no_mlflow,
+    )
     with model_errors(args.model):
         model = load_model(args.model)
-    backtest(
-        BacktestConfig(
-            data=args.data,
-            model_uri=args.model,
-            test_period=Period.parse(args.test_period) if args.test_period else None,
-            folds=args.folds,
-            k=args.k,
-            out=args.out,
-            log_to_mlflow=not args.no_mlflow,
-        ),
-        model,
-    )
+    backtest(cfg, model)
     if args.out is not None:
         print(f"report written to {args.out}")
     return 0

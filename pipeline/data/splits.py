@@ -94,14 +94,19 @@ def prequential_test_periods(last: Period, folds: int, data_days: Period) -> lis
     k test lengths; all of them inside `data_days`, the days of the dataset."""
     if folds < 1:
         raise ValueError(f"folds must be >= 1, got {folds}")
-    periods = [last.shifted(-k * (last.end - last.start)) for k in range(folds)]
-    if periods[-1].start < data_days.start or last.end > data_days.end:
-        raise ValueError(
-            f"{folds} fold(s) of {last.days} test days ending {last.end.date()} need data from "
-            f"{periods[-1].start.date()} to {last.end.date()}; the dataset spans {data_days}. "
-            "Use fewer --folds, a shorter or later test period."
+    length = last.end - last.start
+    fitting = (last.end - data_days.start) // length  # checked before the periods are made: folds may be 1e20
+    if folds > fitting or last.end > data_days.end:
+        room = (
+            "the test period ends after the data"
+            if last.end > data_days.end
+            else f"it has room for {max(fitting, 0)} fold(s) ending then"
         )
-    return periods
+        raise ValueError(
+            f"{folds} fold(s) of {last.days} test days ending {last.end.date()} do not fit the dataset, which "
+            f"spans {data_days}: {room}. Use fewer --folds, a shorter or later test period."
+        )
+    return [last.shifted(-k * length) for k in range(folds)]
 
 
 def known_target(cutoff: datetime) -> pl.Expr:

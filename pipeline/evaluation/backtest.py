@@ -38,6 +38,7 @@ from pipeline.data.dataset import read_dataset, require_labels
 from pipeline.data.splits import DAY, Period, dataset_days, prequential_test_periods
 from pipeline.evaluation.protocol import (
     BUDGETS,
+    MAX_K,
     DetectionMetrics,
     budget_curve,
     detection_metrics,
@@ -72,6 +73,8 @@ class BacktestConfig:
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
                 raise ValueError(f"backtest config: {name} = {value!r}, expected an integer >= 1")
+        if self.k > MAX_K:
+            raise ValueError(f"backtest config: k = {self.k}, expected at most {MAX_K} (accounts a day)")
         if not is_integer(self.reasons) or self.reasons < 0:
             raise ValueError(
                 f"backtest config: reasons = {self.reasons!r}, expected an integer >= 0 (0: none)"

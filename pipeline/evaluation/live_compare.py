@@ -20,8 +20,9 @@ from kafka import KafkaConsumer
 from kafka.structs import TopicPartition
 
 from consumers.runtime.settings import ServeConfig
+from models.checks import is_integer
 from pipeline.evaluation.metrics import event_metrics
-from pipeline.evaluation.protocol import ranked_card_precisions
+from pipeline.evaluation.protocol import MAX_K, ranked_card_precisions
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ class LiveCompareConfig:
     k: int = 100
     experiment: str = "txsentinel-live-compare"
     log_to_mlflow: bool = True
+
+    def __post_init__(self):
+        if not is_integer(self.k) or not 1 <= self.k <= MAX_K:
+            raise ValueError(f"live compare: k = {self.k!r}, expected an integer from 1 to {MAX_K}")
 
 
 def live_compare(

@@ -27,6 +27,9 @@ from pipeline.evaluation.metrics import event_metrics
 TRAINING_WEEK_DAYS = 7  # the published protocol's training week, whose frauds' accounts leave the test
 DELAY_DAYS = 7  # its delay period between training and test
 Exclusions = Literal["published", "known_labels"]
+# The largest k of CP@k, the accounts investigated a day: past any team's capacity, and a bound, so that an
+# absurd k (1e20 overflows polars' top k) is refused by name where it is set.
+MAX_K = 1_000_000
 _EXCLUSIONS = {"day": pl.Datetime("us", "UTC"), "account_id": pl.String}
 
 

@@ -15,6 +15,7 @@ import configs
 from models.checks import is_finite_number, is_integer, read_setting, read_yaml_file
 from models.registry import REGISTRY, config_class
 from pipeline.data.splits import DAY, Period, Split
+from pipeline.evaluation.protocol import MAX_K
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
 
@@ -76,6 +77,8 @@ class TrainConfig:
         for name, minimum in _INTEGER_MINIMUMS.items():
             if not (name in _OPTIONAL and getattr(self, name) is None):
                 _check_integer(name, getattr(self, name), minimum)
+        if self.cp_k > MAX_K:
+            raise ValueError(f"train config: cp_k = {self.cp_k}, expected at most {MAX_K} (accounts a day)")
         if self.num_workers > CPUS:  # each worker is a process holding a copy of the batches
             raise ValueError(
                 f"train config: num_workers = {self.num_workers}, expected at most {CPUS} (this machine's CPUs)"

@@ -13,11 +13,14 @@ import pytest
 import torch
 
 from models.registry import build_detector
+from pipeline.cli.main import main
 from pipeline.data.splits import Period, dataset_days, prequential_test_periods
 from pipeline.evaluation.backtest import BacktestConfig, alert_reasons, backtest
-from pipeline.evaluation.protocol import detection_metrics
+from pipeline.evaluation.live_compare import LiveCompareConfig
+from pipeline.evaluation.protocol import MAX_K, detection_metrics
 from pipeline.features import FEATURE_NAMES, compute_features, fit_feature_spec
 from pipeline.registry.artifact import save_model_dir
+from pipeline.training.config import load_train_config
 from pipeline.training.diagnostics import account_inputs
 from pipeline.training.sequences import build_sequences
 from tests.pipeline.workspaces import busy_dataset, use_fresh_store
@@ -173,3 +176,28 @@ def test_too_many_folds_say_what_data_they_need(workspace):
         BacktestConfig(data=".", model_uri="x", folds=0)
     with pytest.raises(ValueError, match="folds = True, expected an integer >= 1"):
         BacktestConfig(data=".", model_uri="x", folds=True)  # YAML's true is not one fold
+
+
+@pytest.mark.parametrize("flag", ["--k", "--folds"])
+def test_an_absurd_k_or_fold_count_is_refused_by_name_not_overflowed(flag, workspace, tmp_path, capsys):
+    # 1e20 overflowed polars' top k (an OverflowError traceback); as many folds made periods until the
+    # dates overflowed.
+    root, *_ = workspace
+    argv = ["backtest", "--data", str(root / "data"), "--model", str(root / "model"), "--no-mlflow"]
+    assert main([*argv, flag, str(10**20)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    if flag == "--k":
+        assert "backtest config: k = 100000000000000000000, expected at most 1000000" in err
+    else:
+        assert "100000000000000000000 fold(s) of 14 test days" in err and "it has room for 2 fold(s)" in err
+
+
+def test_the_k_of_card_precision_is_bounded_wherever_it_is_set(tmp_path):
+    with pytest.raises(ValueError, match=r"train config: cp_k = 1000001, expected at most 1000000"):
+        load_train_config(tmp_path, None, ["cp_k=1000001"])
+    with pytest.raises(
+        ValueError, match=r"live compare: k = 100000000000000000000, expected an integer from 1"
+    ):
+        LiveCompareConfig(k=10**20)
+    assert BacktestConfig(data=".", model_uri="x", k=MAX_K).k == MAX_K
