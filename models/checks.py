@@ -5,7 +5,8 @@ count belongs (`folds: true` in YAML, `"max_poll_records": true` in JSON) would 
 neither an integer nor a number, and every check of a value's type goes through these, so no config accepts
 what another refuses. Each caller keeps its own message, naming the setting or field and where it came from.
 `read_setting` is how a `--set KEY=VALUE` flag of train and generate becomes a value, read alike by both;
-`read_yaml_file` how serve's and generate's `--config` files become settings.
+`read_yaml_file` how serve's, train's and generate's `--config` files become settings, `load_yaml` how any YAML
+file is read.
 """
 
 import math
@@ -45,12 +46,39 @@ def read_setting(item: str, example: str) -> tuple[str, Any]:
         raise ValueError(f"--set {item!r}: the value is not valid YAML ({error})") from None
 
 
+class _SafeLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a value YAML reads but cannot build (the date 2026-13-01 raises
+    ValueError inside PyYAML) is a YAML error at the value's line, as a syntax error is."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except ValueError as error:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{node.value!r} does not read as a {node.tag.rpartition(':')[2]} ({error})",
+                node.start_mark,
+            ) from None
+
+
+def load_yaml(text: str, name: str) -> Any:
+    """`text` read as yaml.safe_load reads it; any error is a yaml.YAMLError whose mark gives `name` (the file)
+    and the line."""
+    loader = _SafeLoader(text)
+    loader.name = name  # what its marks name: "<unicode string>" otherwise
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml_file(path: Path, what: str) -> dict[str, Any]:
     """The settings a YAML file holds; refuses a missing file, bad YAML and anything but a mapping."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"--config {path}: no such file")
     try:
-        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        loaded = load_yaml(Path(path).read_text(encoding="utf-8"), str(path)) or {}
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: not UTF-8 text (byte {error.start}): expected a YAML file") from None
     except yaml.YAMLError as error:

@@ -27,7 +27,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import polars as pl
 import yaml
 
-from models.checks import is_integer
+from models.checks import is_integer, load_yaml
 from pipeline.data.schema import REQUIRED_COLUMNS, TIMESTAMP, TRANSACTION_SCHEMA
 
 FORMATS = ("csv", "parquet", "ndjson")
@@ -230,9 +230,9 @@ def load_mapping(path: str | Path) -> Mapping:
     if not path.is_file():
         raise MappingError(f"mapping file {path} does not exist")
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = load_yaml(path.read_text(), str(path))
     except yaml.YAMLError as exc:
-        raise MappingError(f"{path}: not valid YAML: {exc}") from exc
+        raise MappingError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from exc
     where = str(path)
     doc = _table(doc, where, _TOP_KEYS)
 

@@ -345,6 +345,10 @@ def test_mapped_column_absent_from_file(tmp_path):
             "csv: {skip_rows: true}\n",
             "csv.skip_rows: expected a whole number >= 0, got True",
         ),
+        (  # a date that YAML reads but cannot build raised a bare ValueError, naming no file
+            "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\nsince: 2026-13-01\n",
+            r"not valid YAML: '2026-13-01' does not read as a timestamp \(month must be in 1..12\) .* line 2",
+        ),
     ],
 )
 def test_mapping_errors_are_clear(tmp_path, text, expected):
