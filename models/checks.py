@@ -32,6 +32,18 @@ def is_finite_number(value: object) -> bool:
     return is_integer(value) or (isinstance(value, float) and math.isfinite(value))
 
 
+def read_number(value: Any) -> Any:
+    """The float a text holds, for a setting that takes a number: YAML 1.1 reads 5e-4, 1e9 and 5e0 (an exponent
+    with no dot) as strings. Anything else, other text included, is returned as it is, for the caller to
+    refuse with its own message."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def read_setting(item: str, example: str) -> tuple[str, Any]:
     """A `--set KEY=VALUE` flag -> (KEY, VALUE read as YAML: `200` an int, `0.5` a float, `null` None,
     `2026-03-01` a date). ValueError naming the flag, with `example` (a KEY=VALUE) to follow, when it is not

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Self
 import torch
 from torch import Tensor, nn
 
-from models.checks import is_integer, is_number
+from models.checks import is_integer, is_number, read_number
 
 State = dict[str, Tensor]
 
@@ -62,13 +62,8 @@ class DetectorConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type is float and isinstance(value, str):  # YAML 1.1 reads 5e-4 as a string
-                try:
-                    value = float(value)
-                except ValueError:
-                    raise ValueError(
-                        f"{type(self).__name__}.{field.name} = {value!r}: expected a number"
-                    ) from None
+            if field.type is float:  # YAML 1.1 reads 5e-4 as a string
+                value = read_number(value)
                 object.__setattr__(self, field.name, value)
             if field.type is float and not is_number(value):  # a list or null would fail below as a TypeError
                 raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected a number")

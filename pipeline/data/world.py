@@ -12,9 +12,12 @@ from typing import Any, Self
 
 import numpy as np
 
-from models.checks import is_finite_number, is_integer, read_setting, read_yaml_file
+from models.checks import is_finite_number, is_integer, read_number, read_setting, read_yaml_file
 
 GRID_SIZE = 100.0  # accounts and terminals live on a GRID_SIZE x GRID_SIZE square
+# The farthest from its centre a point of the grid can be (half its diagonal): any home has grid points at
+# least this far away, and a home at the centre none farther.
+FARTHEST_FROM_ANY_HOME = GRID_SIZE * 2**0.5 / 2
 DAY_SECONDS = 86_400
 US_PER_SECOND = 1_000_000
 DAY_US = DAY_SECONDS * US_PER_SECOND
@@ -86,6 +89,8 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         problems = []
         for f in fields(self):
+            if f.type is float:  # YAML 1.1 reads 5e0 and 1e9 as strings
+                object.__setattr__(self, f.name, read_number(getattr(self, f.name)))
             value = getattr(self, f.name)
             if f.type is int:
                 least = 1 if f.name in _AT_LEAST_ONE else 0
@@ -105,8 +110,16 @@ class GenerateConfig:
         for name in ("drift_account_fraction", "compromised_account_fraud_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 problems.append(f"{name}={getattr(self, name)!r}, expected a fraction in [0, 1]")
-        if self.radius <= 0:
-            problems.append(f"radius={self.radius!r}, expected > 0")
+        for name in _POSITIVE:
+            if getattr(self, name) <= 0:
+                problems.append(f"{name}={getattr(self, name)!r}, expected > 0")
+        if self.unusual_terminal_distance_min > FARTHEST_FROM_ANY_HOME:
+            problems.append(
+                f"unusual_terminal_distance_min={self.unusual_terminal_distance_min!r}, expected at most "
+                f"{FARTHEST_FROM_ANY_HOME:.2f}: on the {GRID_SIZE:g} x {GRID_SIZE:g} grid no terminal is farther "
+                "from a home at its centre (its largest distance, the diagonal, is "
+                f"{2 * FARTHEST_FROM_ANY_HOME:.2f}), and a takeover there would silently get a random terminal"
+            )
         if problems:
             raise ValueError("invalid GenerateConfig: " + "; ".join(problems))
 
@@ -160,6 +173,10 @@ _AT_LEAST_ONE = {
     "drift_home_step_days",
     "card_testing_probes_min",
 }
+
+# Greater than 0, not only >= 0: the reach of a home, and the shape of the Gamma the fraud label delays are
+# drawn from (its scale is mean / shape).
+_POSITIVE = ("radius", "label_delay_gamma_shape")
 
 _RANGES = [
     (f"{p}_min", f"{p}_max")

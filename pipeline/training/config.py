@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import configs
-from models.checks import is_finite_number, is_integer, read_setting, read_yaml_file
+from models.checks import is_finite_number, is_integer, read_number, read_setting, read_yaml_file
 from models.registry import REGISTRY, config_class
 from pipeline.data.splits import DAY, Period, Split
 from pipeline.evaluation.protocol import MAX_K
@@ -230,11 +230,11 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def _as_float(what: str, value: str) -> float:
-    """A number written as text: YAML 1.1 reads 5e-4 (no dot) as a string, not a float."""
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{what} = {value!r}: expected a number, e.g. 0.0005 or 5e-4") from None
+    """A number written as text (models.checks.read_number), or a ValueError naming the setting."""
+    number = read_number(value)
+    if isinstance(number, str):
+        raise ValueError(f"{what} = {value!r}: expected a number, e.g. 0.0005 or 5e-4")
+    return number
 
 
 _FLOAT_SETTINGS = {f.name for f in dataclasses.fields(TrainConfig) if f.type in (float, float | None)}

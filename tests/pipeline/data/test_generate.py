@@ -284,6 +284,35 @@ def test_bad_settings_name_the_setting_and_what_was_expected():
             SMALL.with_settings([item])
 
 
+def test_numbers_with_an_exponent_are_numbers_as_train_reads_them(tmp_path):
+    # YAML 1.1 reads 5e0, 1e9 and 5e-1 (no dot) as strings, which were refused as "expected a finite number".
+    cfg = SMALL.with_settings(["radius=5e0", "high_amount_threshold=1e9", "drift_account_fraction=5e-1"])
+    assert (cfg.radius, cfg.high_amount_threshold, cfg.drift_account_fraction) == (5.0, 1e9, 0.5)
+    profile = tmp_path / "mine.yaml"
+    profile.write_text("label_delay_days_mean: 35e-1\n")
+    assert SMALL.with_file(profile).label_delay_days_mean == 3.5
+    with pytest.raises(ValueError, match=re.escape("radius='wide', expected a finite number >= 0")):
+        SMALL.with_settings(["radius=wide"])
+
+
+@pytest.mark.parametrize("setting", ["label_delay_gamma_shape=0", "radius=0"])
+def test_a_parameter_that_must_be_positive_is_refused_at_zero(setting):
+    # A Gamma shape of 0 passed the check, then divided by zero drawing the label delays.
+    name, _, value = setting.partition("=")
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value}, expected > 0")):
+        SMALL.with_settings([setting])
+
+
+def test_an_unusual_terminal_distance_no_home_can_reach_is_refused_naming_the_grid_s_distances():
+    # At 1000 no terminal is ever that far, and every takeover silently got a random terminal instead.
+    with pytest.raises(ValueError) as refused:
+        SMALL.with_settings(["unusual_terminal_distance_min=1000"])
+    message = str(refused.value)
+    assert "unusual_terminal_distance_min=1000, expected at most 70.71" in message
+    assert "the diagonal, is 141.42" in message
+    assert SMALL.with_settings(["unusual_terminal_distance_min=70"]).unusual_terminal_distance_min == 70
+
+
 def test_generate_command_applies_settings(tmp_path):
     from pipeline.cli.main import main
 
