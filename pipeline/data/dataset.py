@@ -2,9 +2,15 @@
 
 Every command that takes `--data DATASET_DIR` reads it through `scan_dataset` / `read_metadata`.
 Ingest may also leave `quarantine.parquet` beside them: the rejected rows, each with its reason.
+
+A dataset is written whole or not at all: its files go into a temporary sibling directory that then takes
+the directory's place, so a command that fails leaves the old dataset (or nothing), never new transactions
+beside old metadata.
 """
 
 import json
+import shutil
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,6 +23,7 @@ from pipeline.data.schema import EVENT_ORDER, SCHEMA_VERSION, TRANSACTION_SCHEMA
 TRANSACTIONS_FILE = "transactions.parquet"
 METADATA_FILE = "metadata.json"
 QUARANTINE_FILE = "quarantine.parquet"
+DATASET_FILES = (TRANSACTIONS_FILE, METADATA_FILE, QUARANTINE_FILE)
 
 
 @dataclass(frozen=True)
@@ -51,12 +58,17 @@ def summarize(frame: pl.DataFrame) -> DatasetSummary:
     )
 
 
-def write_dataset(frame: pl.DataFrame, out_dir: str | Path, source: dict[str, Any]) -> DatasetSummary:
-    """Write `frame` (canonical columns) sorted in event order, with metadata describing where it came from."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def write_dataset(
+    frame: pl.DataFrame,
+    out_dir: str | Path,
+    source: dict[str, Any],
+    quarantine: pl.DataFrame | None = None,
+) -> DatasetSummary:
+    """Write `frame` (canonical columns) sorted in event order, with metadata describing where it came from,
+    and `quarantine` (ingest's rejected rows) when given, in place of whatever dataset `out_dir` held."""
+    out = Path(out_dir).absolute()
+    check_output_dir(out)
     frame = conform(frame).sort(EVENT_ORDER)
-    frame.write_parquet(out / TRANSACTIONS_FILE, statistics=True)
     summary = summarize(frame)
     metadata = {
         "schema_version": SCHEMA_VERSION,
@@ -65,8 +77,60 @@ def write_dataset(frame: pl.DataFrame, out_dir: str | Path, source: dict[str, An
         "summary": summary.as_dict(),
         "source": source,
     }
-    (out / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = _sibling(out, "writing")
+    try:
+        frame.write_parquet(staging / TRANSACTIONS_FILE, statistics=True)
+        (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
+        if quarantine is not None:
+            quarantine.write_parquet(staging / QUARANTINE_FILE)
+        _swap_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when the swap succeeded
     return summary
+
+
+def check_output_dir(out_dir: str | Path) -> None:
+    """Refuse an `out_dir` that a dataset cannot take the place of: a file, a path under a file, or a
+    directory holding anything but a dataset's files (replacing it would delete them)."""
+    out = Path(out_dir)
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            where = "is a file" if path == out else f"is under {path}, which is a file"
+            raise ValueError(
+                f"{out} {where}; expected a dataset directory to write (new, empty or a dataset)"
+            )
+    if out.is_dir():
+        others = sorted(p.name for p in out.iterdir() if p.name not in DATASET_FILES)
+        if others:
+            shown = others[:5] + (["..."] if len(others) > 5 else [])
+            raise ValueError(
+                f"{out} holds {shown}, which are not a dataset's files; writing a dataset there would "
+                "replace them. Give a new or empty directory, or one that holds only a dataset"
+            )
+
+
+def _sibling(out: Path, role: str) -> Path:
+    # mkdir, not tempfile.mkdtemp: that makes the directory 0700, and the dataset would keep it.
+    path = out.parent / f".{out.name}.{role}-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    return path
+
+
+def _swap_into_place(staging: Path, out: Path) -> None:
+    # Two renames within one directory: the old dataset steps aside, the new one takes its name. Should the
+    # second fail, the old one comes back, so `out` never holds a half of each.
+    if not out.exists() or not any(out.iterdir()):
+        staging.replace(out)  # replaces an empty directory too
+        return
+    old = _sibling(out, "old")
+    out.replace(old)
+    try:
+        staging.replace(out)
+    except BaseException:
+        old.replace(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _require_dataset(data_dir: str | Path) -> Path:
@@ -117,6 +181,7 @@ __all__ = [
     "TRANSACTIONS_FILE",
     "TRANSACTION_SCHEMA",
     "DatasetSummary",
+    "check_output_dir",
     "read_dataset",
     "read_metadata",
     "require_labels",

@@ -131,13 +131,8 @@ def ingest(cfg: IngestConfig) -> IngestReport:
     report = IngestReport(
         src.name, src.format, frame.height, good.height, invalid, invalid, problems, out=str(cfg.out)
     )  # reaching here with invalid rows means on_invalid="quarantine": every one of them was set aside
-    write_dataset(good, cfg.out, _metadata_source(src, cfg, report))
-    quarantine_path = Path(cfg.out) / QUARANTINE_FILE
-    if quarantined is not None:
-        # Written even when empty, so a quarantine file from an earlier ingest never outlives its dataset.
-        quarantined.write_parquet(quarantine_path)
-    else:
-        quarantine_path.unlink(missing_ok=True)
+    # Quarantine mode writes the quarantine file even when empty, so that it always describes this dataset.
+    write_dataset(good, cfg.out, _metadata_source(src, cfg, report), quarantine=quarantined)
     return report
 
 

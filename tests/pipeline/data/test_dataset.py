@@ -1,0 +1,70 @@
+import json
+
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+
+from pipeline.data.dataset import read_dataset, read_metadata, write_dataset
+from pipeline.data.generate import generate
+from pipeline.data.world import GenerateConfig
+
+
+@pytest.fixture(scope="module")
+def frames() -> tuple[pl.DataFrame, pl.DataFrame]:
+    return (
+        generate(GenerateConfig(accounts=20, days=3, seed=0)),
+        generate(GenerateConfig(accounts=20, days=3, seed=1)),
+    )
+
+
+def test_a_write_that_fails_leaves_the_old_dataset_whole(frames, tmp_path, monkeypatch):
+    old, new = frames
+    out = tmp_path / "data"
+    write_dataset(old, out, {"generator": "old"})
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    # Fails after the new transactions are written, before their metadata is.
+    monkeypatch.setattr(json, "dumps", fail)
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_dataset(new, out, {"generator": "new"})
+    monkeypatch.undo()
+
+    assert_frame_equal(read_dataset(out), old)
+    assert read_metadata(out)["source"] == {"generator": "old"}
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]  # no staging directory left behind
+
+
+def test_a_write_that_fails_into_a_new_directory_leaves_nothing(frames, tmp_path, monkeypatch):
+    monkeypatch.setattr(json, "dumps", lambda *args, **kwargs: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        write_dataset(frames[0], tmp_path / "data", {"generator": "new"})
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dataset_replaces_the_one_before_it_quarantine_included(frames, tmp_path):
+    old, new = frames
+    out = tmp_path / "data"
+    write_dataset(old, out, {"generator": "old"}, quarantine=pl.DataFrame({"row": [1], "reason": ["bad"]}))
+    write_dataset(new, out, {"generator": "new"})
+    assert_frame_equal(read_dataset(out), new)
+    assert sorted(p.name for p in out.iterdir()) == ["metadata.json", "transactions.parquet"]
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]
+
+
+def test_an_output_that_is_not_a_dataset_directory_is_refused_untouched(frames, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    with pytest.raises(ValueError, match=f"{afile} is a file; expected a dataset directory"):
+        write_dataset(frames[0], afile, {})
+    with pytest.raises(ValueError, match=f"{afile / 'data'} is under {afile}, which is a file"):
+        write_dataset(frames[0], afile / "data", {})
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me too")
+    with pytest.raises(ValueError, match=r"holds \['todo.txt'\], which are not a dataset's files"):
+        write_dataset(frames[0], notes, {})
+    assert afile.read_text() == "keep me" and (notes / "todo.txt").read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "notes"]
