@@ -18,7 +18,15 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.data.schema import EVENT_ORDER, SCHEMA_VERSION, TRANSACTION_SCHEMA, conform
+from pipeline.data.schema import (
+    EARLIEST_TS,
+    EVENT_ORDER,
+    LATEST_TS,
+    SCHEMA_VERSION,
+    TRANSACTION_SCHEMA,
+    TS_RANGE,
+    conform,
+)
 
 TRANSACTIONS_FILE = "transactions.parquet"
 METADATA_FILE = "metadata.json"
@@ -69,6 +77,7 @@ def write_dataset(
     out = Path(out_dir).absolute()
     check_output_dir(out)
     frame = conform(frame).sort(EVENT_ORDER)
+    _check_ts_range(frame)
     summary = summarize(frame)
     metadata = {
         "schema_version": SCHEMA_VERSION,
@@ -88,6 +97,17 @@ def write_dataset(
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when the swap succeeded
     return summary
+
+
+def _check_ts_range(frame: pl.DataFrame) -> None:
+    outside = frame.filter((pl.col("ts") < EARLIEST_TS) | (pl.col("ts") >= LATEST_TS))
+    if not outside.is_empty():
+        # As text from polars: a year past 9999 does not fit a Python datetime.
+        first = outside.select("event_id", pl.col("ts").dt.to_string("%Y-%m-%dT%H:%M:%S")).row(0)
+        raise ValueError(
+            f"{outside.height} transactions have a ts outside {TS_RANGE}, the first event_id {first[0]!r} "
+            f"at {first[1]}; nothing was written"
+        )
 
 
 def check_output_dir(out_dir: str | Path) -> None:

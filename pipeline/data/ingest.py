@@ -17,7 +17,7 @@ import polars as pl
 
 from pipeline.data.dataset import QUARANTINE_FILE, write_dataset
 from pipeline.data.mapping import Mapping, MappingError, SourceError, load_mapping
-from pipeline.data.schema import TRANSACTION_SCHEMA
+from pipeline.data.schema import EARLIEST_TS, LATEST_TS, TRANSACTION_SCHEMA, TS_RANGE
 
 ON_INVALID = ("fail", "quarantine")
 EXAMPLES_PER_PROBLEM = 3
@@ -282,6 +282,9 @@ def _checks(src: _Input) -> list[_Check]:
             expected = src.mapping.timestamp(c).expected()
             problem = empty_or(c, expected, f"is not a timestamp; expected {expected}")
             add(c, "unparsable", "unparsable timestamp", pl.col(c).is_null(), problem)
+            outside = (pl.col(c) < EARLIEST_TS) | (pl.col(c) >= LATEST_TS)
+            problem = pl.lit(f"is outside {TS_RANGE} read as {expected}; expected a time in those years")
+            add(c, "out_of_range", "timestamp out of range", outside, problem)
     finite = "expected a finite amount >= 0"
     amount = pl.col("amount")
     problem = empty_or("amount", "a number", f"is not a number; {finite}")

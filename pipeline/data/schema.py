@@ -3,6 +3,8 @@
 Every dataset directory, every ingest, the generator and the stream's JSON messages use these names and types.
 """
 
+from datetime import UTC, datetime
+
 import polars as pl
 
 SCHEMA_VERSION = 1
@@ -30,6 +32,13 @@ TRANSACTION_SCHEMA = pl.Schema(
         "scenario": pl.String,
     }
 )
+
+# Every ts of a dataset lies in [EARLIEST_TS, LATEST_TS), the years 1970..2099. Outside them a time is a typo
+# or a unit mix-up (seconds read as milliseconds), and past year 9999 Python's datetime cannot even hold it.
+# The service is stricter (2000..2099, consumers/scoring/message_limits.py); history for training may be older.
+EARLIEST_TS = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_TS = datetime(2100, 1, 1, tzinfo=UTC)
+TS_RANGE = "1970-01-01 .. 2099-12-31 UTC"
 
 # Events of one account are ordered by (ts, event_id); the dataset as a whole is stored in that order too.
 EVENT_ORDER: tuple[str, ...] = ("ts", "event_id")

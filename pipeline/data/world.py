@@ -13,6 +13,7 @@ from typing import Any, Self
 import numpy as np
 
 from models.checks import is_finite_number, is_integer, read_number, read_setting, read_yaml_file
+from pipeline.data.schema import EARLIEST_TS, LATEST_TS, TS_RANGE
 
 GRID_SIZE = 100.0  # accounts and terminals live on a GRID_SIZE x GRID_SIZE square
 # The farthest from its centre a point of the grid can be (half its diagonal): any home has grid points at
@@ -120,6 +121,13 @@ class GenerateConfig:
                 "from a home at its centre (its largest distance, the diagonal, is "
                 f"{2 * FARTHEST_FROM_ANY_HOME:.2f}), and a takeover there would silently get a random terminal"
             )
+        # Every event in 1970..2099 (pipeline/data/schema.py); ordinals, as a date this late cannot be added to.
+        first_day = self.start_date.toordinal()
+        if first_day < _EARLIEST_DAY or first_day + self.days > _LATEST_DAY:
+            problems.append(
+                f"start_date={self.start_date.isoformat()} with days={self.days}, expected days within "
+                f"{TS_RANGE}"
+            )
         if problems:
             raise ValueError("invalid GenerateConfig: " + "; ".join(problems))
 
@@ -163,6 +171,8 @@ class GenerateConfig:
         midnight = datetime(self.start_date.year, self.start_date.month, self.start_date.day, tzinfo=UTC)
         return int(midnight.timestamp()) * US_PER_SECOND
 
+
+_EARLIEST_DAY, _LATEST_DAY = EARLIEST_TS.date().toordinal(), LATEST_TS.date().toordinal()
 
 _AT_LEAST_ONE = {
     "accounts",

@@ -68,3 +68,10 @@ def test_an_output_that_is_not_a_dataset_directory_is_refused_untouched(frames, 
         write_dataset(frames[0], notes, {})
     assert afile.read_text() == "keep me" and (notes / "todo.txt").read_text() == "keep me too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "notes"]
+
+
+def test_a_frame_with_times_no_dataset_holds_is_refused_before_writing(frames, tmp_path):
+    far = frames[0].with_columns(pl.col("ts").dt.offset_by("3000y"))
+    with pytest.raises(ValueError, match=r"transactions have a ts outside 1970-01-01 .. 2099-12-31 UTC"):
+        write_dataset(far, tmp_path / "data", {})
+    assert list(tmp_path.iterdir()) == []

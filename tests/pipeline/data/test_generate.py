@@ -1,7 +1,7 @@
 """The synthetic generator: determinism, schema, the Handbook's shape, every scenario and its labels."""
 
 import re
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 
 import numpy as np
 import polars as pl
@@ -367,3 +367,18 @@ def test_handbook_size_has_the_handbooks_shape():
     frame = generate(GenerateConfig(accounts=5000, days=180, seed=0))
     assert 1_500_000 < frame.height < 2_100_000
     assert 0.005 < frame["is_fraud"].mean() < 0.015
+
+
+def test_a_period_outside_the_years_a_dataset_holds_is_refused_before_generating(tmp_path, capsys):
+    from pipeline.cli.main import main
+
+    for start, days in ((date(9999, 12, 30), 180), (date(1969, 12, 31), 1), (date(2099, 12, 2), 31)):
+        with pytest.raises(
+            ValueError, match=f"start_date={start} with days={days}, expected days within 1970"
+        ):
+            GenerateConfig(start_date=start, days=days)
+    assert GenerateConfig(start_date=date(2099, 12, 2), days=30).days == 30  # the last day is 2099-12-31
+    out = tmp_path / "data"
+    assert main(["generate", "--out", str(out), "--start-date", "9999-12-30", "--accounts", "5"]) == 2
+    assert "start_date=9999-12-30 with days=180" in capsys.readouterr().err
+    assert not out.exists()

@@ -387,3 +387,40 @@ def test_unreadable_files_are_named_with_the_line(tmp_path, name, content, expec
     with pytest.raises(IngestError, match=re.escape(expected)):
         ingest(IngestConfig(tmp_path / name, CONFIGS / "canonical.yaml", tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_timestamps_outside_the_years_a_dataset_holds_are_refused_row_by_row(tmp_path):
+    csv = write(
+        tmp_path / "far.csv",
+        """
+event_id,account_id,terminal_id,ts,amount
+a,x,t,2024-01-01,1
+b,x,t,+12026-01-01,1
+c,x,t,1969-12-31T23:59:59Z,1
+""",
+    )
+    with pytest.raises(IngestError) as caught:
+        ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out"))
+    outside = "is outside 1970-01-01 .. 2099-12-31 UTC read as an ISO-8601 date-time"
+    assert f'{csv} row 2 (line 3), column ts -> ts: value "+12026-01-01" {outside}' in str(caught.value)
+    assert f'{csv} row 3 (line 4), column ts -> ts: value "1969-12-31T23:59:59Z" {outside}' in str(
+        caught.value
+    )
+    assert not (tmp_path / "out").exists()
+
+    report = ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out", on_invalid="quarantine"))
+    assert (report.rows_written, report.rows_quarantined) == (1, 2)
+    assert read_dataset(tmp_path / "out")["ts"].to_list() == [utc(2024, 1, 1)]
+    assert read_metadata(tmp_path / "out")["summary"]["last_ts"] == "2024-01-01T00:00:00+00:00"
+
+    path = write(
+        tmp_path / "e.ndjson",
+        '{"id": "e1", "card": "c", "merchant": "m", "time_ms": -100000000000000, "value": 1, "fraud": 0,'
+        ' "chargeback_time_ms": 1704672000000}\n',
+    )
+    with pytest.raises(
+        IngestError,
+        match=r'row 1, column time_ms -> ts: value "-100000000000000" is outside 1970-01-01 .. 2099-12-31 UTC '
+        "read as a number of milliseconds",
+    ):
+        ingest(IngestConfig(path, CONFIGS / "epoch_ndjson.yaml", tmp_path / "out2"))
