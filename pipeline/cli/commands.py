@@ -21,6 +21,12 @@ def _table(frame: pl.DataFrame) -> str:
 def run_generate(cfg: GenerateConfig, out: Path) -> DatasetSummary:
     started = time.perf_counter()
     frame = generate(cfg)
+    if frame.is_empty():
+        raise ValueError(
+            f"these settings made no transactions (accounts={cfg.accounts}, terminals={cfg.n_terminals}, "
+            f"radius={cfg.radius}, days={cfg.days}): an account transacts only at terminals within radius of "
+            f"its home. Raise radius, terminals, accounts or days; nothing was written to {out}"
+        )
     summary = write_dataset(frame, out, source={"generator": "txsentinel generate", "config": cfg.__dict__})
     elapsed = time.perf_counter() - started
     print(

@@ -382,3 +382,18 @@ def test_a_period_outside_the_years_a_dataset_holds_is_refused_before_generating
     assert main(["generate", "--out", str(out), "--start-date", "9999-12-30", "--accounts", "5"]) == 2
     assert "start_date=9999-12-30 with days=180" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("setting", ["radius=0.0001", "terminals=1"])
+def test_settings_that_make_no_transactions_are_refused_before_writing(setting, tmp_path, capsys):
+    from pipeline.cli.main import main
+
+    out = tmp_path / "data"
+    argv = ["generate", "--out", str(out), "--accounts", "5", "--days", "2", "--set", setting]
+    assert (
+        main([*argv, "--set", "takeover_accounts_per_day=0", "--set", "card_testing_accounts_per_day=0"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "txsentinel generate: these settings made no transactions (accounts=5," in err
+    assert "Traceback" not in err and f"nothing was written to {out}" in err
+    assert not out.exists()
