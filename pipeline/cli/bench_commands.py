@@ -7,7 +7,7 @@ from pathlib import Path
 
 import configs
 from pipeline.bench.cores import pin_to_one_core
-from pipeline.cli.errors import model_errors
+from pipeline.cli.errors import check_output, model_errors
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -39,6 +39,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from pipeline.bench.quality import QUICK_DATA, QualityConfig, print_table, run_quality
         from pipeline.data.generate import GenerateConfig
 
+        check_output(args.out, "--out")
         sizes = {k: v for k, v in (("accounts", args.accounts), ("days", args.days)) if v is not None}
         world = QUICK_DATA if args.quick else GenerateConfig()
         world = world if args.world is None else world.with_file(args.world)

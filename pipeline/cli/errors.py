@@ -11,6 +11,7 @@ classes up in sys.modules instead of importing them: `txsentinel --help` must no
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 EXIT_INPUT = 2
@@ -32,6 +33,25 @@ def _first_line(text: str) -> str:
 def _notes(error: BaseException) -> str:
     notes = getattr(error, "__notes__", [])
     return f" ({'; '.join(notes)})" if notes else ""
+
+
+def check_output(path: Path | None, setting: str, directory: bool = True) -> None:
+    """Refuse an output path (given by `setting`, e.g. "--out") that cannot be written, before any work is
+    done: a file where a directory goes, a directory where a file goes, or a path under a file. None: no
+    output asked for."""
+    if path is None:
+        return
+    for parent in Path(path).parents:
+        if parent.exists() and not parent.is_dir():
+            raise OperatorError(
+                f"{setting} {path}: {parent} is a file, so nothing can be written under it", EXIT_INPUT
+            )
+    if directory and path.exists() and not path.is_dir():
+        raise OperatorError(f"{setting} {path} is a file; expected a directory to write into", EXIT_INPUT)
+    if not directory and path.is_dir():
+        raise OperatorError(
+            f"{setting} {path} is a directory; expected the path of a file to write", EXIT_INPUT
+        )
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 import configs
 from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.cli.bench_commands import add_bench_commands
-from pipeline.cli.errors import EXIT_INPUT, OperatorError, model_errors
+from pipeline.cli.errors import EXIT_INPUT, OperatorError, check_output, model_errors
 from pipeline.cli.logs import add_logging_flags
 from pipeline.cli.monitor import add_monitor_command
 from pipeline.cli.serving import (
@@ -31,8 +31,11 @@ from pipeline.cli.serving import (
 
 def _generate(args: argparse.Namespace) -> int:
     from pipeline.cli.commands import run_generate
+    from pipeline.data.dataset import check_output_dir
     from pipeline.data.generate import GenerateConfig
 
+    check_output(args.out, "--out")
+    check_output_dir(args.out)  # and nothing in it that the new dataset would replace
     # Defaults < the --config file < the flags given < --set.
     cfg = GenerateConfig() if args.config is None else GenerateConfig().with_file(args.config)
     flags = {"accounts": args.accounts, "days": args.days, "seed": args.seed, "start_date": args.start_date}
@@ -42,9 +45,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    from pipeline.data.dataset import check_output_dir
     from pipeline.data.ingest import IngestConfig, IngestError, ingest
     from pipeline.data.mapping import MappingError
 
+    check_output(args.out, "--out")
+    check_output_dir(args.out)  # and nothing in it that the new dataset would replace
     cfg = IngestConfig(
         input=args.input,
         mapping=args.mapping,
@@ -64,6 +70,7 @@ def _ingest(args: argparse.Namespace) -> int:
 def _features(args: argparse.Namespace) -> int:
     from pipeline.cli.commands import run_features
 
+    check_output(args.out, "--out", directory=False)
     run_features(args.data, args.out)
     return 0
 
@@ -82,6 +89,7 @@ def _train(args: argparse.Namespace) -> int:
         accelerator=args.accelerator,
         devices=args.devices,
     )
+    check_output(cfg.out_dir, "out_dir")
     train(cfg)
     return 0
 
@@ -99,6 +107,7 @@ def _schemas(args: argparse.Namespace) -> int:
     from consumers.scoring.topic_schemas import write_schemas
 
     limits = MessageLimits.of(load_serve_config(args.config, parse_settings(args.set)))
+    check_output(args.out, "--out")
     for path in write_schemas(args.out, limits):
         print(path)
     return 0
@@ -109,6 +118,7 @@ def _backtest(args: argparse.Namespace) -> int:
     from pipeline.evaluation.backtest import BacktestConfig, backtest
     from pipeline.registry.tracking import load_model
 
+    check_output(args.out, "--out")
     cfg = BacktestConfig(  # the flags are checked before the model is fetched
         data=args.data,
         model_uri=args.model,
@@ -131,6 +141,7 @@ def _compare(args: argparse.Namespace) -> int:
         return run_live_compare(args)
     from pipeline.evaluation.compare import compare
 
+    check_output(args.out, "--out")
     compare(experiment=args.experiment, metric=args.metric, out=args.out, data=args.data)
     return 0
 

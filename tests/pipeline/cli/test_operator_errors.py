@@ -233,3 +233,44 @@ def test_print_config_needs_no_broker_or_model_and_masks_secrets(tmp_path, monke
     assert "threshold:                      0.1  # command line" in out
     assert 'model_uri:                      "models:/txsentinel@champion"  # command line' in out
     assert '# kafka_sasl_password:          "********"  # TXS_KAFKA_SASL_PASSWORD_FILE' in out
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data") / "data"
+    write_dataset(generate(GenerateConfig(accounts=20, days=3, seed=0)), data, source={"generator": "test"})
+    return data
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--accounts", "5", "--days", "1", "--out", "{out}"],
+        ["ingest", "{data}/transactions.parquet", "--mapping", "canonical", "--out", "{out}"],
+        ["features", "--data", "{data}", "--out", "{out}/features.parquet"],
+        ["train", "--data", "{data}", "--model", "logreg", "--set", "out_dir={out}"],
+        ["backtest", "--data", "{data}", "--model", "models:/nope@champion", "--out", "{out}"],
+        ["compare", "--out", "{out}"],
+        ["schemas", "--out", "{out}"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_an_output_that_is_a_file_is_refused_before_any_work(argv, small_dataset, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    argv = [arg.format(out=afile, data=small_dataset) for arg in argv]
+    line = refused(capsys, argv, 2)
+    assert f"{afile} is a file" in line
+    assert afile.read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_a_feature_table_path_that_is_a_directory_and_a_dataset_over_other_files_are_refused(
+    small_dataset, tmp_path, capsys
+):
+    line = refused(capsys, ["features", "--data", str(small_dataset), "--out", str(tmp_path)], 2)
+    assert f"--out {tmp_path} is a directory; expected the path of a file to write" in line
+    (tmp_path / "notes.txt").write_text("keep me")
+    line = refused(capsys, ["generate", "--accounts", "5", "--days", "1", "--out", str(tmp_path)], 2)
+    assert "holds ['notes.txt'], which are not a dataset's files" in line
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
