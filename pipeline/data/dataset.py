@@ -22,6 +22,7 @@ from pipeline.data.schema import (
     EARLIEST_TS,
     EVENT_ORDER,
     LATEST_TS,
+    REQUIRED_COLUMNS,
     SCHEMA_VERSION,
     TRANSACTION_SCHEMA,
     TS_RANGE,
@@ -163,26 +164,63 @@ def _require_dataset(data_dir: str | Path) -> Path:
     return path
 
 
+_REMAKE = "the dataset is damaged: make it again with `txsentinel generate` or `txsentinel ingest`"
+
+
 def read_metadata(data_dir: str | Path) -> dict[str, Any]:
-    path = _require_dataset(data_dir)
-    metadata = json.loads((path / METADATA_FILE).read_text())
+    path = _require_dataset(data_dir) / METADATA_FILE
+    try:
+        metadata = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file; {_REMAKE}") from None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError both are
+        raise ValueError(f"{path}: not valid JSON ({error}); {_REMAKE}") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(metadata).__name__}; {_REMAKE}")
     if metadata.get("schema_version") != SCHEMA_VERSION:
         raise ValueError(
-            f"{path / METADATA_FILE}: schema_version {metadata.get('schema_version')!r}, "
+            f"{path}: schema_version {metadata.get('schema_version')!r}, "
             f"this txsentinel reads version {SCHEMA_VERSION}; re-run ingest or generate."
         )
     return metadata
 
 
 def scan_dataset(data_dir: str | Path) -> pl.LazyFrame:
-    """Lazily read a dataset's transactions (canonical columns, event order)."""
+    """Lazily read a dataset's transactions (canonical columns, event order), after checking that its files
+    read and its columns have the canonical types."""
     path = _require_dataset(data_dir)
     read_metadata(path)
-    return pl.scan_parquet(path / TRANSACTIONS_FILE)
+    transactions = path / TRANSACTIONS_FILE
+    try:
+        schema = pl.read_parquet_schema(transactions)  # the footer only
+    except (pl.exceptions.PolarsError, OSError) as error:
+        raise ValueError(f"{transactions}: not a readable Parquet file ({error}); {_REMAKE}") from None
+    problems = [_column_problem(name, dtype) for name, dtype in schema.items()]
+    problems += [f"column {name} is missing" for name in REQUIRED_COLUMNS if name not in schema]
+    if any(problems):
+        said = "; ".join(p for p in problems if p)
+        raise ValueError(f"{transactions}: {said}, by the schema in pipeline/data/schema.py; {_REMAKE}")
+    return pl.scan_parquet(transactions)
 
 
 def read_dataset(data_dir: str | Path) -> pl.DataFrame:
-    return scan_dataset(data_dir).collect()
+    lazy = scan_dataset(data_dir)
+    try:
+        return lazy.collect()
+    except pl.exceptions.ComputeError as error:  # a footer that reads over damaged data
+        raise ValueError(
+            f"{Path(data_dir) / TRANSACTIONS_FILE}: cannot be read ({str(error).splitlines()[0]}); {_REMAKE}"
+        ) from None
+
+
+def _column_problem(name: str, dtype: pl.DataType) -> str:
+    if name not in TRANSACTION_SCHEMA:
+        return f"column {name} is not a canonical column"
+    return (
+        ""
+        if dtype == TRANSACTION_SCHEMA[name]
+        else f"column {name} is {dtype}, expected {TRANSACTION_SCHEMA[name]}"
+    )
 
 
 def require_labels(data_dir: str | Path, needed_for: str) -> None:

@@ -75,3 +75,54 @@ def test_a_frame_with_times_no_dataset_holds_is_refused_before_writing(frames, t
     with pytest.raises(ValueError, match=r"transactions have a ts outside 1970-01-01 .. 2099-12-31 UTC"):
         write_dataset(far, tmp_path / "data", {})
     assert list(tmp_path.iterdir()) == []
+
+
+def _damage(out, name: str, content) -> None:
+    if name == "transactions.parquet" and isinstance(content, pl.DataFrame):
+        content.write_parquet(out / name)
+    elif content is None:
+        (out / name).unlink()
+    else:
+        (out / name).write_bytes(content)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("metadata.json", b"{oops", "metadata.json: not valid JSON (Expecting property name"),
+        ("metadata.json", b"[1]", "metadata.json: expected a JSON object, got list"),
+        ("metadata.json", b"\xff{}", "metadata.json: not valid JSON ('utf-8' codec can't decode"),
+        ("metadata.json", None, "metadata.json: no such file"),
+        ("transactions.parquet", b"junk", "transactions.parquet: not a readable Parquet file (parquet: "),
+        (
+            "transactions.parquet",
+            pl.DataFrame(
+                {"event_id": ["a"], "account_id": ["x"], "terminal_id": ["t"], "amount": [1.0]}
+            ).with_columns(ts=pl.lit("2024-01-01"), note=pl.lit("n")),
+            "transactions.parquet: column ts is String, expected Datetime(time_unit='us', time_zone='UTC'); "
+            "column note is not a canonical column",
+        ),
+        (
+            "transactions.parquet",
+            pl.DataFrame({"event_id": ["a"]}),
+            "transactions.parquet: column account_id is missing; column ts is missing",
+        ),
+    ],
+    ids=["bad json", "not an object", "not utf-8", "no metadata", "junk", "wrong types", "missing columns"],
+)
+def test_a_damaged_dataset_is_named_with_the_file_and_what_is_wrong(
+    name, content, expected, frames, tmp_path, capsys
+):
+    from pipeline.cli.main import main
+
+    out = tmp_path / "data"
+    write_dataset(frames[0], out, {"generator": "test"})
+    _damage(out, name, content)
+    with pytest.raises((ValueError, FileNotFoundError)) as caught:
+        read_dataset(out)
+    assert f"{out / name}: " in str(caught.value) and expected in str(caught.value)
+    assert "the dataset is damaged: make it again" in str(caught.value)
+
+    assert main(["features", "--data", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and expected in err
