@@ -23,7 +23,8 @@ ON_INVALID = ("fail", "quarantine")
 EXAMPLES_PER_PROBLEM = 3
 ID_COLUMNS = ("event_id", "account_id", "terminal_id")
 ROW = "__txs_row"  # 0-based data row, from the scan's row index
-DUP_OF = "__txs_dup_of"  # ROW of the first row with the same event_id
+DUP_OF = "__txs_dup_of"  # ROW of the row whose event_id this one repeats (see _flag_duplicates)
+DUP_OF_VALID = "__txs_dup_of_valid"  # whether that row is otherwise valid, so the one kept
 
 
 @dataclass(frozen=True)
@@ -252,11 +253,17 @@ def _parse(src: _Input, checks: list[_Check], label_delay_days: float) -> pl.Dat
 
 
 def _flag_duplicates(frame: pl.DataFrame, checks: list[_Check]) -> pl.DataFrame:
-    """Flag every row whose event_id an earlier row already has; DUP_OF is that earlier row."""
+    """Flag every row that repeats an event_id, but one: the first row with that id that has no other
+    problem, so that one is written (in quarantine mode), or, when every row with the id has a problem, the
+    first. DUP_OF is that row. Judged before the others, a duplicate of a bad row would be set aside with it
+    and the id lost altogether."""
     (duplicate,) = (c for c in checks if c.failed is None)
-    first = pl.col(ROW).min().over("event_id")
+    valid = ~pl.any_horizontal(c.flag for c in checks if c.failed is not None)
+    first_valid = pl.when(valid).then(pl.col(ROW)).min().over("event_id")
+    keeper = pl.coalesce(first_valid, pl.col(ROW).min().over("event_id"))
     return frame.with_columns(
-        pl.when(~pl.col("__bad_event_id_empty") & (pl.col(ROW) != first)).then(first).alias(DUP_OF)
+        pl.when(~pl.col("__bad_event_id_empty") & (pl.col(ROW) != keeper)).then(keeper).alias(DUP_OF),
+        first_valid.is_not_null().alias(DUP_OF_VALID),
     ).with_columns(pl.col(DUP_OF).is_not_null().alias(duplicate.flag))
 
 
@@ -304,9 +311,11 @@ def _checks(src: _Input) -> list[_Check]:
         )
         add("label_ts", "before_ts", "label_ts before ts", pl.col("label_ts") < pl.col("ts"), problem)
     # Needs every row's event_id at once, so it is evaluated on the collected frame (failed=None).
+    kept = pl.when(pl.col(DUP_OF_VALID)).then(pl.lit(", the first row with it and no other problem"))
     problem = pl.format(
-        "repeats the event_id of {}; expected unique event ids (the first one is kept)",
+        "has the event_id of {}{}; expected unique event ids",
         src.location(pl.col(DUP_OF)),
+        kept.otherwise(pl.lit("")),
     )
     add("event_id", "duplicate", "duplicate event_id", None, problem)
     return checks
@@ -325,7 +334,7 @@ def _explain(src: _Input, checks: list[_Check], bad: pl.DataFrame) -> pl.DataFra
                 .collect(engine="streaming")
             )
         )
-    explained = raw.join(bad.select(ROW, DUP_OF, *(c.flag for c in checks)), on=ROW).sort(ROW)
+    explained = raw.join(bad.select(ROW, DUP_OF, DUP_OF_VALID, *(c.flag for c in checks)), on=ROW).sort(ROW)
     explained = explained.with_columns(pl.col(s).alias(_raw(c)) for c, s in src.present.items())
     messages = []
     for c in checks:

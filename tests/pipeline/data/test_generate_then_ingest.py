@@ -96,7 +96,7 @@ def test_one_row_of_each_bad_kind_fails_naming_each_then_quarantine_keeps_the_re
 
     assert main([*args, "--out", str(tmp_path / "failed")]) == 1
     message = capsys.readouterr().err
-    for expected in ("31/02/2026", 'value ""', '"NaN"', '"-3.5"', "repeats the event_id", "label_ts"):
+    for expected in ("31/02/2026", 'value ""', '"NaN"', '"-3.5"', "has the event_id of", "label_ts"):
         assert expected in message, expected
     assert not (tmp_path / "failed" / "transactions.parquet").exists()
 

@@ -229,7 +229,7 @@ def test_fail_mode_names_every_problem_and_writes_nothing(tmp_path):
         'expected a date-time in format "%Y-%m-%d %H:%M:%S"',
         f'{csv} row 5 (line 6), column TX_AMOUNT -> amount: value "ten" is not a number',
         f'{csv} row 6 (line 7), column TX_AMOUNT -> amount: value "inf" is not finite',
-        f'{csv} row 7 (line 8), column TRANSACTION_ID -> event_id: value "t1" repeats the event_id of row 1 (line 2)',
+        f'{csv} row 7 (line 8), column TRANSACTION_ID -> event_id: value "t1" has the event_id of row 1 (line 2)',
         f'{csv} row 8 (line 9), column TX_FRAUD -> is_fraud: value "maybe" is not a fraud label; '
         'expected one of "1" (fraud) or "0" (legit)',
     ]:
@@ -274,7 +274,7 @@ def test_quarantine_keeps_good_rows_and_explains_the_rest(tmp_path):
     assert quarantine["TX_AMOUNT"].to_list() == ["-5.0", "10.0", "10.0", "ten", "inf", "10.0", "-1"]
     assert all(v is None or isinstance(v, str) for v in quarantine["TX_DATETIME"])
     reasons = quarantine["reason"].to_list()
-    assert "repeats the event_id of row 1 (line 2)" in reasons[5]
+    assert "has the event_id of row 1 (line 2)" in reasons[5]
     # Row 8 has three problems; its reason names every one of them.
     assert reasons[6].count(" | ") == 2
     for part in ['TX_DATETIME -> ts: value "" is empty', 'value "-1" is negative', 'value "maybe"']:
@@ -424,3 +424,26 @@ c,x,t,1969-12-31T23:59:59Z,1
         "read as a number of milliseconds",
     ):
         ingest(IngestConfig(path, CONFIGS / "epoch_ndjson.yaml", tmp_path / "out2"))
+
+
+def test_of_rows_sharing_an_event_id_the_first_valid_one_is_kept(tmp_path):
+    header = "event_id,account_id,terminal_id,ts,amount\n"
+    csv = write(
+        tmp_path / "dup.csv", header + "e1,x,t,2024-01-01,-5\ne1,x,t,2024-01-02,5\ne2,x,t,2024-01-03,1\n"
+    )
+    report = ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out", on_invalid="quarantine"))
+
+    assert read_dataset(tmp_path / "out")[["event_id", "amount"]].rows() == [("e1", 5.0), ("e2", 1.0)]
+    assert (report.rows_written, report.rows_quarantined) == (2, 1)
+    (reason,) = pl.read_parquet(tmp_path / "out" / QUARANTINE_FILE)["reason"]
+    assert "is negative" in reason
+    assert "has the event_id of row 2 (line 3), the first row with it and no other problem" in reason
+
+    # Neither row of e1 valid: the second is flagged against the first, and no row is said to be kept.
+    csv = write(tmp_path / "dup.csv", header + "e1,x,t,2024-01-01,-5\ne1,x,t,2024-01-02,-6\n")
+    with pytest.raises(IngestError) as caught:
+        ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out2"))
+    assert 'row 2 (line 3), column event_id -> event_id: value "e1" has the event_id of row 1 (line 2);' in (
+        str(caught.value)
+    )
+    assert caught.value.report.rows_invalid == 2
