@@ -35,7 +35,7 @@ EXTENSIONS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 EXTENSIONS |= {".ndjson": "ndjson", ".jsonl": "ndjson"}
 EPOCH_US_PER_UNIT = {"s": 1_000_000, "ms": 1_000, "us": 1}
 TIMESTAMP_COLUMNS = tuple(name for name, dtype in TRANSACTION_SCHEMA.items() if dtype == TIMESTAMP)
-NDJSON_SAMPLE_RECORDS = 1000  # records read to learn an NDJSON file's keys
+NDJSON_CHECKED_RECORDS = 1000  # NDJSON records parsed whole to check them; past these, see source_columns
 DEFAULT_FRAUD_VALUES = ("1", "true", "t", "yes", "y")
 DEFAULT_LEGIT_VALUES = ("0", "false", "f", "no", "n")
 
@@ -167,17 +167,27 @@ class Mapping:
         return fmt
 
     def source_columns(self, path: Path, fmt: str) -> dict[str, pl.DataType]:
-        """The file's columns and their types (NDJSON: the keys of its first records, typed String)."""
+        """The file's columns and their types (NDJSON: its keys, typed String, every mapped one found)."""
         if not path.is_file():
             raise FileNotFoundError("no such file")
         if fmt != "ndjson":
             return dict(self.scan(path, fmt, None).collect_schema())
         # polars infers NDJSON types and fails on a key whose type changes; every mapped key is read as text,
-        # so the keys are all we need.
+        # so the keys are all we need. A mapped key may first appear in any record (an optional column often
+        # does), so the file is read to the end unless every mapped key has been seen; past the first
+        # records, only a line that may hold a key not seen yet is parsed: one with its name in quotes, or
+        # one with an escape, which could spell the name another way.
+        wanted = [*self.columns.values(), *self.optional_columns.values()]
+        unseen = {key: json.dumps(key, ensure_ascii=False) for key in wanted}  # key -> as quoted in JSON
         keys: dict[str, pl.DataType] = {}
         with path.open(encoding="utf-8") as lines:
             records = ((number, line) for number, line in enumerate(lines, 1) if line.strip())
-            for _, (number, line) in zip(range(NDJSON_SAMPLE_RECORDS), records, strict=False):
+            for count, (number, line) in enumerate(records):
+                if count >= NDJSON_CHECKED_RECORDS:
+                    if not unseen:
+                        break
+                    if "\\" not in line and not any(quoted in line for quoted in unseen.values()):
+                        continue
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
@@ -187,6 +197,8 @@ class Mapping:
                         f"line {number} is {line.strip()[:40]!r}; expected a JSON object {{...}}"
                     )
                 keys |= dict.fromkeys(record, pl.String)
+                for key in record:
+                    unseen.pop(key, None)
         return keys
 
     def scan(

@@ -447,3 +447,24 @@ def test_of_rows_sharing_an_event_id_the_first_valid_one_is_kept(tmp_path):
         str(caught.value)
     )
     assert caught.value.report.rows_invalid == 2
+
+
+def test_an_ndjson_key_first_seen_deep_in_the_file_is_still_mapped(tmp_path):
+    def record(i: int, **more) -> str:
+        base = {"id": f"e{i}", "card": "c", "merchant": "m", "time_ms": 1704067200000 + i, "value": 1}
+        return json.dumps(base | {"fraud": 0, "chargeback_time_ms": 1704672000000} | more) + "\n"
+
+    # The optional mcc (-> category) first appears after 1500 records; "entry" (-> channel) only escaped.
+    lines = [record(i) for i in range(1500)]
+    lines += [record(1500, mcc="5411"), record(1501).replace('"fraud"', '"extra": "\\u00e9", "fraud"')]
+    lines += [record(1502).replace("}", ', "\\u0065ntry": "chip"}')]
+    path = write(tmp_path / "deep.ndjson", "".join(lines))
+    ingest(IngestConfig(path, CONFIGS / "epoch_ndjson.yaml", tmp_path / "out"))
+
+    frame = read_dataset(tmp_path / "out")
+    assert frame.filter(pl.col("category").is_not_null())[["event_id", "category"]].rows() == [
+        ("e1500", "5411")
+    ]
+    assert frame.filter(pl.col("channel").is_not_null())[["event_id", "channel"]].rows() == [
+        ("e1502", "chip")
+    ]
