@@ -25,9 +25,8 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import polars as pl
-import yaml
 
-from models.checks import is_integer, load_yaml
+from models.checks import is_integer, read_yaml_file
 from pipeline.data.schema import REQUIRED_COLUMNS, TIMESTAMP, TRANSACTION_SCHEMA
 
 FORMATS = ("csv", "parquet", "ndjson")
@@ -242,9 +241,9 @@ def load_mapping(path: str | Path) -> Mapping:
     if not path.is_file():
         raise MappingError(f"mapping file {path} does not exist")
     try:
-        doc = load_yaml(path.read_text(), str(path))
-    except yaml.YAMLError as exc:
-        raise MappingError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from exc
+        doc = read_yaml_file(path, "keys to values")  # names the file when it is not UTF-8 or not YAML
+    except ValueError as exc:
+        raise MappingError(str(exc)) from None
     where = str(path)
     doc = _table(doc, where, _TOP_KEYS)
 
@@ -317,12 +316,23 @@ def _column_table(value: Any, where: str) -> dict[str, str]:
 
 
 def _csv_options(value: Any, where: str) -> CsvOptions:
-    table = _table(value, where, tuple(CsvOptions.__dataclass_fields__))
-    if isinstance(table.get("null_values"), str):
-        table = table | {"null_values": [table["null_values"]]}
-    options = CsvOptions(**{k: tuple(v) if k == "null_values" else v for k, v in table.items()})
-    if not isinstance(options.separator, str) or len(options.separator) != 1:
-        raise MappingError(f"{where}.separator: expected one character, got {options.separator!r}")
+    table = dict(_table(value, where, tuple(CsvOptions.__dataclass_fields__)))
+    if "null_values" in table:
+        nulls = table["null_values"]
+        table["null_values"] = _values(
+            [nulls] if isinstance(nulls, str) else nulls, f"{where}.null_values", 0
+        )
+    options = CsvOptions(**table)
+    # polars takes one byte for each: "é" is one character but two bytes.
+    if not isinstance(options.separator, str) or len(options.separator.encode()) != 1:
+        raise MappingError(f"{where}.separator: expected one ASCII character, got {options.separator!r}")
+    quote = options.quote_char
+    if quote is not None and (not isinstance(quote, str) or len(quote.encode()) != 1):
+        raise MappingError(
+            f"{where}.quote_char: expected one ASCII character, or null for none, got {quote!r}"
+        )
+    if not isinstance(options.has_header, bool):
+        raise MappingError(f"{where}.has_header: expected true or false, got {options.has_header!r}")
     if not is_integer(options.skip_rows) or options.skip_rows < 0:
         raise MappingError(f"{where}.skip_rows: expected a whole number >= 0, got {options.skip_rows!r}")
     if options.encoding not in ("utf8", "utf8-lossy"):
@@ -334,12 +344,20 @@ def _timestamp_spec(value: Any, where: str) -> TimestampSpec:
     spec = TimestampSpec(**_table(value, where, _TIMESTAMP_KEYS))
     if spec.format is not None and spec.epoch is not None:
         raise MappingError(f"{where}: give either format or epoch, not both")
-    if spec.epoch is not None and spec.epoch not in EPOCH_US_PER_UNIT:
+    if spec.epoch is not None and (not isinstance(spec.epoch, str) or spec.epoch not in EPOCH_US_PER_UNIT):
         raise MappingError(f"{where}.epoch: {spec.epoch!r} is not one of {list(EPOCH_US_PER_UNIT)}")
     if spec.format is not None and (not isinstance(spec.format, str) or "%" not in spec.format):
         raise MappingError(
             f'{where}.format: {spec.format!r} is not a strftime layout like "%Y-%m-%d %H:%M:%S"'
         )
+    if spec.format is not None:
+        try:  # a layout polars refuses (e.g. "%H" without "%M") would otherwise fail while reading the data
+            pl.Series([""]).str.to_datetime(spec.format, time_unit="us", strict=False)
+        except pl.exceptions.PolarsError as exc:
+            said = str(exc).splitlines()[0]
+            raise MappingError(
+                f"{where}.format: {spec.format!r} is not a layout polars can read: {said}"
+            ) from None
     try:
         ZoneInfo(spec.timezone)
     except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
@@ -347,16 +365,18 @@ def _timestamp_spec(value: Any, where: str) -> TimestampSpec:
     return spec
 
 
-def _values(value: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list | tuple) or not value:
-        raise MappingError(f"{where}: expected a non-empty list of values")
+def _values(value: Any, where: str, least: int = 1) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple) or len(value) < least:
+        raise MappingError(
+            f"{where}: expected a {'non-empty ' if least else ''}list of values, got {value!r}"
+        )
     out = []
     for v in value:
         # YAML reads unquoted yes/no/true/false as booleans; which spelling the file uses is then lost.
         if isinstance(v, bool):
             raise MappingError(f'{where}: {v!r} is a YAML boolean; quote it, e.g. "true" or "yes"')
         if not isinstance(v, str | int | float):
-            raise MappingError(f"{where}: {v!r} is not a plain value")
+            raise MappingError(f"{where}: {v!r} is not a plain value; expected text or a number")
         out.append(str(v))
     return tuple(out)
 

@@ -349,10 +349,47 @@ def test_mapped_column_absent_from_file(tmp_path):
             "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\nsince: 2026-13-01\n",
             r"not valid YAML: '2026-13-01' does not read as a timestamp \(month must be in 1..12\) .* line 2",
         ),
+        (
+            "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\n"
+            "csv: {has_header: 'no'}\n",
+            "csv.has_header: expected true or false, got 'no'",
+        ),
+        (
+            "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\n"
+            "csv: {null_values: 5}\n",
+            "csv.null_values: expected a list of values, got 5",
+        ),
+        (
+            "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\n"
+            "csv: {null_values: [1, null]}\n",
+            "csv.null_values: None is not a plain value; expected text or a number",
+        ),
+        (
+            "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\n"
+            "csv: {quote_char: 'ab'}\n",
+            "csv.quote_char: expected one ASCII character, or null for none",
+        ),
+        (
+            "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\n"
+            "csv: {separator: 'é'}\n",
+            "csv.separator: expected one ASCII character, got 'é'",
+        ),
+        (
+            "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\n"
+            "timestamps: {ts: {epoch: [s]}}\n",
+            r"timestamps.ts.epoch: \['s'\] is not one of",
+        ),
+        (
+            "columns: {event_id: a, account_id: b, terminal_id: c, ts: d, amount: e}\n"
+            "timestamps: {ts: {format: '%H'}}\n",
+            "timestamps.ts.format: '%H' is not a layout polars can read: Invalid format string",
+        ),
+        (b"\xff\xfe columns", r"not UTF-8 text \(byte 0\): expected a YAML file"),
     ],
 )
 def test_mapping_errors_are_clear(tmp_path, text, expected):
-    path = mapping_file(tmp_path, text)
+    path = tmp_path / "mapping.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(MappingError, match=expected) as caught:
         load_mapping(path)
     assert str(path) in str(caught.value)
