@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--label-delay-days",
         type=float,
         default=7.0,
-        help="when the input has is_fraud but no label_ts: label_ts = ts + this many days (default 7)",
+        help="when the input has is_fraud but no label_ts: label_ts = ts + this many days (default 7, at most "
+        "3650)",
     )
     p.set_defaults(run=_ingest)
 

@@ -22,6 +22,9 @@ from pipeline.data.schema import EARLIEST_TS, LATEST_TS, TRANSACTION_SCHEMA, TS_
 ON_INVALID = ("fail", "quarantine")
 EXAMPLES_PER_PROBLEM = 3
 ID_COLUMNS = ("event_id", "account_id", "terminal_id")
+# Chargeback windows run to about 540 days; ten years is past any of them, and keeps ts + delay a time that
+# polars and Python both hold for every ts a dataset may have.
+MAX_LABEL_DELAY_DAYS = 3650
 ROW = "__txs_row"  # 0-based data row, from the scan's row index
 DUP_OF = "__txs_dup_of"  # ROW of the row whose event_id this one repeats (see _flag_duplicates)
 DUP_OF_VALID = "__txs_dup_of_valid"  # whether that row is otherwise valid, so the one kept
@@ -38,8 +41,11 @@ class IngestConfig:
     def __post_init__(self) -> None:
         if self.on_invalid not in ON_INVALID:
             raise ValueError(f"on_invalid must be one of {list(ON_INVALID)}, got {self.on_invalid!r}")
-        if not self.label_delay_days >= 0:
-            raise ValueError(f"label_delay_days must be >= 0, got {self.label_delay_days!r}")
+        if not 0 <= self.label_delay_days <= MAX_LABEL_DELAY_DAYS:
+            raise ValueError(
+                f"label_delay_days (--label-delay-days) must be a number of days in 0..{MAX_LABEL_DELAY_DAYS}, "
+                f"got {self.label_delay_days!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -505,3 +505,23 @@ def test_an_ndjson_key_first_seen_deep_in_the_file_is_still_mapped(tmp_path):
     assert frame.filter(pl.col("channel").is_not_null())[["event_id", "channel"]].rows() == [
         ("e1502", "chip")
     ]
+
+
+@pytest.mark.parametrize("days", ["inf", "1e12", "3000000", "-1", "nan"])
+def test_a_label_delay_past_ten_years_is_refused_in_one_line(days, tmp_path, capsys):
+    from pipeline.cli.main import main
+
+    header, *_, last = BAD_CSV.strip().splitlines()
+    csv = write(tmp_path / "handbook.csv", f"{header}\n{last}\n")
+    argv = ["ingest", str(csv), "--mapping", "handbook", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--label-delay-days", days]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "txsentinel ingest: label_delay_days (--label-delay-days) must be a number of days in 0..3650"
+    )
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    assert main([*argv, "--label-delay-days", "3650"]) == 0
+    assert read_dataset(tmp_path / "out")["label_ts"].to_list() == [
+        utc(2018, 4, 1, 0, 9) + timedelta(days=3650)
+    ]
