@@ -49,6 +49,7 @@ from consumers.scoring.messages import Transaction
 from consumers.scoring.results import Rejected, Scored, ScoredArrays, ScoreRecord, ScorerStats, sigmoid
 from consumers.scoring.shadow import ShadowModel
 from consumers.scoring.state_store import StateStore, rounds_of
+from pipeline.features.definitions import DAY_US
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, LabelBatch, take_events
 from pipeline.registry.artifact import DEFAULT_THRESHOLD, LoadedModel
@@ -139,11 +140,12 @@ class Scorer(HeldAccounts, HistoryReplay):
         positions: (partition, offset) of each transaction in its source topic; events at or before their
         account's last applied position in that partition are dropped (counted in stats). None: apply all.
         labels: fraud labels that became known during this batch (see StreamingFeaturizer.transform).
-        clock_us: the live service's clock. An event ahead of it (a producer's clock skew, up to
-        max_ts_skew_s) is featurized and stepped as of the clock, so that it moves no account's or
-        terminal's day forward before the clock gets there: one event stamped 00:20 at 23:30 would
-        otherwise end every other account's windows at that terminal on tomorrow until midnight. Its score
-        record keeps its own ts. None (a replay of history): every event at its own ts.
+        clock_us: the live service's clock. An event dated past the clock's day (a producer's clock skew,
+        up to max_ts_skew_s, across midnight) is featurized and stepped as of the day's last microsecond,
+        so that it moves no account's or terminal's day forward before the clock gets there: one event
+        stamped 00:20 at 23:30 would otherwise end every other account's windows at that terminal on
+        tomorrow until midnight. Within the day an event keeps its own ts (featurized the same whenever it
+        is read), and every score record keeps it. None (a replay of history): every event at its own ts.
         """
         n = len(transactions)
         pos = None
@@ -166,7 +168,8 @@ class Scorer(HeldAccounts, HistoryReplay):
             amounts=np.fromiter((t.amount for t in transactions), dtype=np.float64, count=n),
         )
         if clock_us is not None:
-            np.minimum(events.ts_us, clock_us, out=events.ts_us)
+            last_of_day = (clock_us // DAY_US + 1) * DAY_US - 1
+            np.minimum(events.ts_us, last_of_day, out=events.ts_us)
         out = self._score_batch(events, [t.event_id for t in transactions], pos, labels)
         records = [
             ScoreRecord(

@@ -203,7 +203,8 @@ def test_carefully_the_event_that_fails_alone_is_dead_lettered_and_the_rest_goes
 def test_an_event_ahead_of_the_clock_is_featurized_as_of_the_clock(monkeypatch):
     # At 23:30 UTC an event stamped 00:20 tomorrow (clock skew, within max_ts_skew_s) at a busy terminal:
     # were it counted on tomorrow, every other event at that terminal until midnight would read its
-    # windows as ending tomorrow. It scores as if stamped at the clock, and keeps its own ts in the output.
+    # windows as ending tomorrow. It scores as if stamped at today's last microsecond, and keeps its own ts
+    # in the output.
     clock = 20_000 * 86_400_000_000 + 23 * HOUR_US + HOUR_US // 2
     monkeypatch.setattr(
         batch_scoring, "time", SimpleNamespace(time_ns=lambda: clock * 1000, monotonic=time.monotonic)
@@ -220,7 +221,8 @@ def test_an_event_ahead_of_the_clock_is_featurized_as_of_the_clock(monkeypatch):
         return {record["event_id"]: record for record in records}
 
     ahead = clock + 50 * 60_000_000  # 00:20 tomorrow
-    skewed, at_clock = scores(ahead), scores(clock)
-    assert skewed["EV"]["score"] == at_clock["EV"]["score"]
-    assert skewed["EP"]["score"] == at_clock["EP"]["score"]
+    last_of_today = clock + HOUR_US // 2 - 1
+    skewed, today = scores(ahead), scores(last_of_today)
+    assert skewed["EV"]["score"] == today["EV"]["score"]
+    assert skewed["EP"]["score"] == today["EP"]["score"]
     assert skewed["EP"]["ts"] == format_ts(ahead)  # its own ts, 00:20 tomorrow
