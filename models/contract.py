@@ -64,9 +64,9 @@ class DetectorConfig:
             value = getattr(self, field.name)
             if field.type is float:  # YAML 1.1 reads 5e-4 as a string
                 value = read_number(value)
+                if not is_number(value):  # a list or null would fail below as a TypeError
+                    raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected a number")
                 object.__setattr__(self, field.name, value)
-            if field.type is float and not is_number(value):  # a list or null would fail below as a TypeError
-                raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected a number")
             if field.type is int and (not is_integer(value) or value < 1):
                 raise ValueError(f"{type(self).__name__}.{field.name} = {value!r}: expected an integer >= 1")
             # A switch must be a bool: the string "false" (a hand-written JSON config) would be truthy.

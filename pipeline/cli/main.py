@@ -34,8 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pipeline.data.dataset import check_output_dir
     from pipeline.data.generate import GenerateConfig
 
-    check_output(args.out, "--out")
-    check_output_dir(args.out)  # and nothing in it that the new dataset would replace
+    check_output_dir(args.out)  # before any work: a file, a path under one, or a directory of other files
     # Defaults < the --config file < the flags given < --set.
     cfg = GenerateConfig() if args.config is None else GenerateConfig().with_file(args.config)
     flags = {"accounts": args.accounts, "days": args.days, "seed": args.seed, "start_date": args.start_date}
@@ -49,8 +48,7 @@ def _ingest(args: argparse.Namespace) -> int:
     from pipeline.data.ingest import IngestConfig, IngestError, ingest
     from pipeline.data.mapping import MappingError
 
-    check_output(args.out, "--out")
-    check_output_dir(args.out)  # and nothing in it that the new dataset would replace
+    check_output_dir(args.out)  # before any work: a file, a path under one, or a directory of other files
     cfg = IngestConfig(
         input=args.input,
         mapping=args.mapping,
