@@ -46,11 +46,6 @@ _HEADER_V1 = struct.Struct("<4sHHH8siqqII")
 _NO_IDS = bytes(8 * RECENT_EVENT_IDS)
 
 
-def event_id_hash(event_id: str) -> int:
-    """A stable 64-bit hash of an event id, never 0 (an empty slot of the window)."""
-    return int.from_bytes(hashlib.blake2b(event_id.encode(), digest_size=8).digest(), "little") or 1
-
-
 _REBUILD = (
     "restore it with the model and txsentinel version that wrote it, or drop it and rebuild the account's "
     "state by replaying its history through this model"

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from consumers.scoring.account_state import RECENT_EVENT_IDS, event_id_hash, model_fingerprint
+from consumers.scoring.account_state import RECENT_EVENT_IDS, model_fingerprint
 from consumers.scoring.applied_events import not_yet_applied, replayed
 from consumers.scoring.explain import AlertExplainer
 from consumers.scoring.held_accounts import HeldAccounts
@@ -51,7 +51,7 @@ from consumers.scoring.shadow import ShadowModel
 from consumers.scoring.state_store import StateStore, rounds_of
 from pipeline.features.definitions import DAY_US
 from pipeline.features.stream import StreamingFeaturizer
-from pipeline.features.stream_batches import EventBatch, LabelBatch, take_events
+from pipeline.features.stream_batches import EventBatch, LabelBatch, event_id_hashes, take_events
 from pipeline.registry.artifact import DEFAULT_THRESHOLD, LoadedModel
 
 
@@ -218,7 +218,7 @@ class Scorer(HeldAccounts, HistoryReplay):
         rejected: list[Rejected] = []
         hashes = None
         if event_ids is not None:
-            hashes = np.fromiter(map(event_id_hash, event_ids), dtype=np.uint64, count=n)
+            hashes = event_id_hashes(event_ids)
             for i in replayed(self.store, rows, hashes, keep):
                 keep[i] = False
                 rejected.append(

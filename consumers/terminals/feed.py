@@ -274,4 +274,5 @@ def label_batch(labels: list[Label]) -> LabelBatch:
         terminal_ids=[label.terminal_id for label in labels],
         label_ts_us=np.fromiter((label.label_ts_us for label in labels), dtype=np.int64, count=n),
         is_fraud=np.fromiter((label.is_fraud for label in labels), dtype=bool, count=n),
+        event_ids=[label.event_id for label in labels],
     )

@@ -40,8 +40,9 @@ from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable
 log = logging.getLogger(__name__)
 
 POSITIONS_KEY = "\x00positions"
-_MAGIC = b"TXT3"
+_MAGIC = b"TXT4"
 _OLDER_MAGICS = {
+    b"TXT3": "before terminals remembered their reported events",
     b"TXST": "before the terminal journal",
     b"TXT2": "before the terminal table writer",
     b"TXTJ": "before the terminal table writer",

@@ -10,7 +10,8 @@ days D-6 .. D up to and including this event (in (ts, event_id) order). A ring o
 and per terminal reproduces that exactly with bounded state, which a sliding 7x24 h window could not.
 
 Terminal fraud reports count fraud labels of the terminal whose label_ts falls on days D-d+1 .. D and is
-<= the event's ts: only what was known when the event happened.
+<= the event's ts: only what was known when the event happened. An event is reported once: a label repeated
+for the same event_id counts on the earliest of its label days, as a dataset (one row per event) has it.
 """
 
 import functools
@@ -30,6 +31,9 @@ RING_DAYS = max(WINDOW_DAYS)
 TERMINAL_BUCKETS = 4096
 # "Has this account used this terminal before?" is kept as a bitset of hashed terminals per account.
 SEEN_TERMINAL_BITS = 512
+# Fraud reports remembered per terminal (by event id), so a repeated label counts once. The newest are kept:
+# exact while a terminal has at most this many reports, and beyond that for repeats of any of its newest 32.
+REMEMBERED_REPORTS = 32
 
 # amount_z divides by sqrt(var + prior): a prior variance of log-amounts, so an account's second event is
 # not judged against a spread of zero.

@@ -16,8 +16,10 @@ event seen, not from the late one. In time order — what the batch form and a r
 happens and both forms agree exactly.
 
 Terminal state is ORDER-FREE: each event is counted at its terminal on its own day (a ring bucket keeps its
-newest day), fraud reports on their label day, and max_day is a maximum, so the terminal table is the same
-whatever order, batching or split across instances the events and labels are folded in. The scoring
+newest day), each reported event once, on the earliest day it was labelled (a repeated label finds it among
+the reports its terminal remembers), and max_day is a maximum, so the terminal table is the same whatever
+order, batching or split across instances the events and labels are folded in (for the reports: while a
+terminal has at most REMEMBERED_REPORTS of them; _remember_reports says what happens beyond). The scoring
 service relies on it to merge other instances' terminal counts (consumers/terminals/deltas.py).
 
 Labels are applied at their label_ts: a fraud label given with a batch counts for the events of that batch
@@ -26,12 +28,14 @@ events of later batches (`stream_batches.replay_batches` splits a history that w
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from pipeline.features.definitions import (
     DAY_US,
     FEATURE_NAMES,
+    RING_DAYS,
     SECOND_US,
     WINDOW_DAYS,
     derive_features,
@@ -52,8 +56,20 @@ from pipeline.features.stream_batches import (
     FeaturizerCheckpoint,
     LabelBatch,
     TerminalOp,
+    event_id_hashes,
     take_events,
 )
+
+
+@dataclass(frozen=True)
+class _FraudLabels:
+    """A label batch's fraud labels (all [L]): terminal, label time and day, event_id_hash."""
+
+    terminals: list[str]
+    label_us: np.ndarray
+    days: np.ndarray
+    events: np.ndarray
+
 
 _DAY_SPAN = 1 << 20  # composite key = code * _DAY_SPAN + day; epoch days stay far below 2**20
 MAX_EPOCH_DAY = _DAY_SPAN - 1  # the last day (in 4840) a composite key holds: callers keep days within
@@ -296,7 +312,7 @@ class StreamingFeaturizer:
         n = len(ts_us)
         table = self.terminals
         fraud = self._fraud_labels(labels)
-        label_slots = table.slots(list(fraud[0])) if fraud is not None else None
+        label_slots = table.slots(fraud.terminals) if fraud is not None else None
         slots, _, order, key, day_eff = _entity_batch(table, terminal_ids, days)
         rec = table.records  # only now: creating records for new terminals may have grown the array
 
@@ -308,14 +324,19 @@ class StreamingFeaturizer:
             out[f"terminal_count_{d}d"] = c + counts_in_state[d][0]
 
         reports_in_state = ring_window_sums(rec, slots, day_eff, ("report_count",), "report_day")
+        new = None
+        if fraud is not None:
+            # The batch's first label of each event not yet reported: a repeat is not known twice.
+            first = self._first_reports(label_slots, fraud.label_us, fraud.events)
+            new = self._unreported(label_slots, fraud.events) & first
         for d in WINDOW_DAYS:
             reports = reports_in_state[d][0]
-            if fraud is not None:
+            if new is not None and new.any():
                 # Few fraud labels per batch: a [N, L] comparison is cheaper than sorting.
-                _, label_us = fraud
+                label_us = fraud.label_us[new]
                 label_day = label_us // DAY_US
                 known = (
-                    (label_slots[None, :] == slots[:, None])
+                    (label_slots[new][None, :] == slots[:, None])
                     & (label_us[None, :] <= ts_us[:, None])
                     & (label_day[None, :] > (day_eff - d)[:, None])
                     & (label_day[None, :] <= day_eff[:, None])
@@ -326,7 +347,7 @@ class StreamingFeaturizer:
         def fold() -> None:
             self._fold_terminal_events(list(terminal_ids), slots, days)  # own days: order-free (module doc)
             if fraud is not None:
-                self._fold_terminal_reports(list(fraud[0]), label_slots, fraud[1] // DAY_US)
+                self._fold_terminal_reports(fraud.terminals, label_slots, fraud.days, fraud.events)
 
         return out, fold
 
@@ -335,8 +356,8 @@ class StreamingFeaturizer:
         fraud = self._fraud_labels(labels)
         if fraud is None:
             return
-        terminals = list(fraud[0])
-        self._fold_terminal_reports(terminals, self.terminals.slots(terminals), fraud[1] // DAY_US)
+        slots = self.terminals.slots(fraud.terminals)
+        self._fold_terminal_reports(fraud.terminals, slots, fraud.days, fraud.events)
 
     # -- terminal state changes, journaled -----------------------------------------------------------------
     def _fold_terminal_events(self, terminals: list[str], slots: np.ndarray, days: np.ndarray) -> None:
@@ -349,12 +370,56 @@ class StreamingFeaturizer:
         if self.terminal_journal is not None:
             self.terminal_journal.append(TerminalOp("events", terminals, days.astype(np.int64)))
 
-    def _fold_terminal_reports(self, terminals: list[str], slots: np.ndarray, days: np.ndarray) -> None:
-        """Count fraud reports at their terminals, each on the day of its label."""
+    def _fold_terminal_reports(
+        self, terminals: list[str], slots: np.ndarray, days: np.ndarray, events: np.ndarray
+    ) -> None:
+        """Count fraud reports at their terminals, each event once, on the earliest day it was labelled.
+        Order-free while a terminal has at most REMEMBERED_REPORTS reports (_remember_reports)."""
         rec = self.terminals.records
-        self._fold_days(rec, slots, days, {"report_count": np.ones(len(slots))}, "report_day")
+        counted = self._remember_reports(rec, slots, days, events)
+        self._fold_days(
+            rec, slots[counted], days[counted], {"report_count": np.ones(counted.sum())}, "report_day"
+        )
         if self.terminal_journal is not None:
-            self.terminal_journal.append(TerminalOp("reports", terminals, days.astype(np.int64)))
+            self.terminal_journal.append(TerminalOp("reports", terminals, days.astype(np.int64), events))
+
+    @staticmethod
+    def _remember_reports(rec, slots: np.ndarray, days: np.ndarray, events: np.ndarray) -> np.ndarray:
+        """[L] which reports to count: an event not yet reported at its terminal is remembered there and
+        counted; a repeat on the same or a later day is not; a repeat on an earlier day moves the report
+        there (uncounted from its day, counted on the new one), so the report always sits on the earliest
+        label day, whatever order the labels come in.
+
+        Each terminal remembers its REMEMBERED_REPORTS newest reports: a new one takes the place of the
+        oldest, and a report older than all of them, the memory full, is counted without being remembered.
+        Few fraud labels come at a time: a Python loop over them, [REMEMBERED_REPORTS] numpy work each.
+        """
+        counted = np.ones(len(slots), dtype=bool)
+        remembered, remembered_day = rec["reported_event"], rec["reported_day"]
+        for i, (slot, day, event) in enumerate(
+            zip(slots.tolist(), days.tolist(), events.tolist(), strict=True)
+        ):
+            held = np.flatnonzero(remembered[slot] == event)
+            if held.size:
+                j = int(held[0])
+                was = int(remembered_day[slot, j])
+                if day >= was:
+                    counted[i] = False
+                    continue
+                bucket = was % RING_DAYS
+                if rec["report_day"][slot, bucket] == was:  # still in the ring: take it back out
+                    rec["report_count"][slot, bucket] -= 1
+                    if rec["report_count"][slot, bucket] == 0:  # as if it had never been counted
+                        rec["report_day"][slot, bucket] = -1
+                remembered_day[slot, j] = day
+            elif remembered_day[slot, 0] <= day:  # the oldest report, or an empty slot (-1), makes way
+                remembered[slot, 0], remembered_day[slot, 0] = event, day
+            else:
+                continue
+            # Kept sorted by (day, event), empty slots first: the same reports give the same bytes.
+            order = np.lexsort((remembered[slot], remembered_day[slot]))
+            remembered[slot], remembered_day[slot] = remembered[slot][order], remembered_day[slot][order]
+        return counted
 
     def take_terminal_journal(self) -> list["TerminalOp"]:
         """The operations journaled since the last take (journaling must be on)."""
@@ -376,19 +441,40 @@ class StreamingFeaturizer:
                 if op.kind == "events":
                     self._fold_terminal_events(terminals, slots, op.days[keep])
                 else:
-                    self._fold_terminal_reports(terminals, slots, op.days[keep])
+                    self._fold_terminal_reports(terminals, slots, op.days[keep], op.events[keep])
         finally:
             self.terminal_journal = journal
 
     @staticmethod
-    def _fraud_labels(labels: LabelBatch | None) -> tuple[list[str], np.ndarray] | None:
+    def _fraud_labels(labels: LabelBatch | None) -> "_FraudLabels | None":
         if labels is None or len(labels.terminal_ids) == 0:
             return None
         mask = np.asarray(labels.is_fraud, dtype=bool)
         if not mask.any():
             return None
-        ids = [t for t, m in zip(labels.terminal_ids, mask, strict=True) if m]
-        return ids, np.asarray(labels.label_ts_us, dtype=np.int64)[mask]
+        picked = np.flatnonzero(mask).tolist()
+        label_us = np.asarray(labels.label_ts_us, dtype=np.int64)[mask]
+        return _FraudLabels(
+            terminals=[labels.terminal_ids[i] for i in picked],
+            label_us=label_us,
+            days=label_us // DAY_US,
+            events=event_id_hashes([labels.event_ids[i] for i in picked]),
+        )
+
+    def _unreported(self, slots: np.ndarray, events: np.ndarray) -> np.ndarray:
+        """[L] whether each (terminal slot, event) is not among the reports its terminal remembers."""
+        return ~(self.terminals.records["reported_event"][slots] == events[:, None]).any(axis=1)
+
+    @staticmethod
+    def _first_reports(slots: np.ndarray, label_us: np.ndarray, events: np.ndarray) -> np.ndarray:
+        """[L] whether each label is the earliest (then the first given) of its (terminal slot, event)."""
+        order = np.lexsort((np.arange(len(slots)), label_us, events, slots))
+        s, e = slots[order], events[order]
+        first = np.ones(len(slots), dtype=bool)
+        first[1:] = (s[1:] != s[:-1]) | (e[1:] != e[:-1])
+        out = np.empty(len(slots), dtype=bool)
+        out[order] = first
+        return out
 
     @staticmethod
     def _fold_days(rec, slots, days, values: dict[str, np.ndarray], day_field: str) -> None:

@@ -2,6 +2,7 @@
 checkpoints (all plain arrays), and a dataset cut into time-ordered micro-batches with their labels.
 """
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -19,14 +20,26 @@ class EventBatch:
     amounts: np.ndarray  # float64
 
 
+def event_id_hash(event_id: str) -> int:
+    """A stable 64-bit hash of an event id, never 0 (an empty slot wherever ids are remembered)."""
+    return int.from_bytes(hashlib.blake2b(event_id.encode(), digest_size=8).digest(), "little") or 1
+
+
+def event_id_hashes(event_ids: Sequence[str]) -> np.ndarray:
+    """[N] uint64 event_id_hash of each id."""
+    return np.fromiter(map(event_id_hash, event_ids), dtype=np.uint64, count=len(event_ids))
+
+
 @dataclass(frozen=True)
 class TerminalOp:
     """One change to terminal state, as journaled: events counted at their terminals on their effective
-    days ("events"), or fraud reports on their label days ("reports"); terminals and days [K]."""
+    days ("events"), or fraud reports on their label days ("reports", with the event_id_hash of each
+    reported event in `events`); terminals and days [K]."""
 
     kind: str
     terminals: list[str]
     days: np.ndarray
+    events: np.ndarray | None = None  # [K] uint64, reports only
 
 
 @dataclass(frozen=True)
@@ -41,11 +54,13 @@ class FeaturizerCheckpoint:
 
 @dataclass(frozen=True)
 class LabelBatch:
-    """Label events (all [L]); only fraud labels change state."""
+    """Label events (all [L]); only fraud labels change state. `event_ids`: the labelled events: a label
+    repeated for the same event is counted once."""
 
     terminal_ids: Sequence[str]
     label_ts_us: np.ndarray
     is_fraud: np.ndarray
+    event_ids: Sequence[str]
 
 
 def take_events(events: EventBatch, index: np.ndarray) -> EventBatch:
@@ -79,6 +94,7 @@ def replay_batches(
         fraud = frame.filter(pl.col("is_fraud") & pl.col("label_ts").is_not_null()).sort("label_ts")
         label_us = fraud["label_ts"].dt.epoch("us").to_numpy()
         label_terminals = fraud["terminal_id"].to_list()
+        label_events = fraud["event_id"].to_list()
     cursor = 0
     for start in range(0, len(ts_us), batch_events):
         stop = min(start + batch_events, len(ts_us))
@@ -87,7 +103,10 @@ def replay_batches(
             end = int(np.searchsorted(label_us, ts_us[stop - 1], side="right"))
             if end > cursor:
                 labels = LabelBatch(
-                    label_terminals[cursor:end], label_us[cursor:end], np.ones(end - cursor, bool)
+                    label_terminals[cursor:end],
+                    label_us[cursor:end],
+                    np.ones(end - cursor, bool),
+                    label_events[cursor:end],
                 )
             cursor = end
         yield (

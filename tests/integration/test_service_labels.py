@@ -265,7 +265,8 @@ def test_an_external_table_writer_keeps_the_table_when_no_instance_runs_one(
 
 @pytest.mark.timeout(300)
 def test_two_instances_count_every_event_at_its_terminal(kafka_bootstrap, service_cfg, model_dir):
-    """A and B split 4 partitions of a history whose accounts share terminals, with fraud labels mixed in.
+    """A and B split 4 partitions of a history whose accounts share terminals, with fraud labels mixed in
+    (each twice).
     Then new accounts, one at each terminal, must score as with a scorer that saw the whole history: on A
     and B while they run (each has folded in the other's deltas), and on C, which starts after they stop,
     from the table plus the deltas after it. And the table plus those deltas is the terminal state of EVERY
@@ -303,7 +304,15 @@ def test_two_instances_count_every_event_at_its_terminal(kafka_bootstrap, servic
         for p in ports
     )
     wait_for_stable_group(kafka_bootstrap, cfg.group_id, 2, a)
-    produce(kafka_bootstrap, cfg.topic("labels"), [(label.event_id, encode_label(label)) for label in labels])
+    # Every label comes twice, the repeat an hour later and keyed by account, so on another partition and
+    # folded before or after the first by each reader: each event is still reported once.
+    repeats = [replace(label, label_ts_us=label.label_ts_us + 3_600_000_000) for label in labels]
+    produce(
+        kafka_bootstrap,
+        cfg.topic("labels"),
+        [(label.event_id, encode_label(label)) for label in labels]
+        + [(label.account_id, encode_label(label)) for label in repeats],
+    )
     scored(events, a, len(events))
     # Idle now. Each instance folds in every delta record the other wrote (and never its own), so once both
     # have caught up their counts add up to the records the topic holds.

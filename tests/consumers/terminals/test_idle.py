@@ -25,7 +25,8 @@ def events(terminals: list[str], days: list[int], account: str = "A") -> EventBa
 
 
 def fraud(terminal: str, day: int) -> LabelBatch:
-    return LabelBatch([terminal], np.array([(DAY0 + day) * DAY_US], dtype=np.int64), np.array([True]))
+    at = np.array([(DAY0 + day) * DAY_US], dtype=np.int64)
+    return LabelBatch([terminal], at, np.array([True]), [f"{terminal}-{day}"])
 
 
 def history() -> StreamingFeaturizer:

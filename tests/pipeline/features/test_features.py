@@ -1,6 +1,7 @@
 """The feature definitions, and the specifications that batch and stream (bounded state) agree and that the
 batch form's compiled kernels equal its polars/numpy reference bit for bit."""
 
+import itertools
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -18,7 +19,13 @@ from pipeline.features import (
     replay_batches,
 )
 from pipeline.features.batch_reference import raw_aggregates_reference
-from pipeline.features.definitions import DAY_US, RAW_FIELDS, derive_features, feature_matrix
+from pipeline.features.definitions import (
+    DAY_US,
+    RAW_FIELDS,
+    REMEMBERED_REPORTS,
+    derive_features,
+    feature_matrix,
+)
 from pipeline.features.stream import grouped_cumsum
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday
@@ -189,6 +196,72 @@ def test_batch_and_stream_agree_on_a_generated_dataset(generated, batch_events):
     assert (batch["account_count_30d"] < batch["prev_count"] + 1).any()
 
 
+def with_repeats(labels: LabelBatch | None, earlier: list[LabelBatch], rng) -> LabelBatch | None:
+    """The batch's labels twice over, and repeats of labels given with the batches before (on their own
+    label day or a day later), shuffled."""
+    pieces = [(labels, 0), (labels, 0)] if labels is not None else []
+    pieces += [(b, DAY_US * int(rng.integers(2))) for b in earlier[-3:] if rng.random() < 0.5]
+    if not pieces:
+        return None
+    terminals = [t for b, _ in pieces for t in b.terminal_ids]
+    events = [e for b, _ in pieces for e in b.event_ids]
+    ts = np.concatenate([b.label_ts_us + shift for b, shift in pieces])
+    fraud = np.concatenate([b.is_fraud for b, _ in pieces])
+    order = rng.permutation(len(events))
+    return LabelBatch([terminals[i] for i in order], ts[order], fraud[order], [events[i] for i in order])
+
+
+def test_a_repeated_label_changes_no_feature(generated):
+    """Every label given twice with its batch, and again with later batches, in shuffled order: the
+    features and the terminal records are those of each label given once, as a dataset has it."""
+    rng = np.random.default_rng(7)
+    once, repeated, earlier = StreamingFeaturizer(), StreamingFeaturizer(), []
+    for events, labels in replay_batches(generated.head(20_000), 500):
+        expected, _ = once.transform(events, labels)
+        got, _ = repeated.transform(events, with_repeats(labels, earlier, rng))
+        np.testing.assert_array_equal(got, expected)
+        if labels is not None:
+            earlier.append(labels)
+    assert len(earlier) > 5 and once.terminals.records["report_count"].sum() > 0
+    assert terminal_records(repeated) == terminal_records(once)
+
+
+def test_a_report_counts_on_the_earliest_day_its_event_was_labelled_whatever_order_labels_come_in():
+    def label(day: int) -> LabelBatch:
+        return LabelBatch(["t"], np.array([day * DAY_US]), np.array([True]), ["e"])
+
+    records = []
+    for days in itertools.permutations([5, 9, 7]):
+        featurizer = StreamingFeaturizer()
+        for day in days:
+            featurizer.observe_labels(label(day))
+        records.append(terminal_records(featurizer))
+    assert all(r == records[0] for r in records)
+
+    featurizer = StreamingFeaturizer()
+    featurizer.observe_labels(label(9))
+    featurizer.observe_labels(label(5))  # moves the report from day 9 to day 5
+    raw = featurizer.raw_aggregates(
+        EventBatch(["a"] * 2, ["t"] * 2, np.array([5, 9]) * DAY_US + 1, np.ones(2))
+    )
+    assert raw["terminal_reports_1d"].tolist() == [1, 0]
+    assert raw["terminal_reports_7d"].tolist() == [1, 1]
+
+
+def test_a_terminal_remembers_its_newest_reports():
+    # More reports than a terminal remembers, then all of them again: the repeats of the newest
+    # REMEMBERED_REPORTS are not counted, those of the older ones, forgotten, are.
+    n = REMEMBERED_REPORTS + 8
+    days = 10 + np.arange(n) // 4
+    labels = LabelBatch(["t"] * n, days * DAY_US, np.ones(n, bool), [f"e{i}" for i in range(n)])
+    featurizer = StreamingFeaturizer()
+    featurizer.observe_labels(labels)
+    featurizer.observe_labels(labels)
+    record = np.frombuffer(featurizer.terminals.get_bytes("t"), dtype=featurizer.terminals.dtype)[0]
+    assert record["report_count"].sum() == n + 8
+    assert sorted(record["reported_day"].tolist()) == days[-REMEMBERED_REPORTS:].tolist()
+
+
 def test_stream_state_round_trips_through_bytes_mid_stream(generated):
     batches = list(replay_batches(generated.head(20_000), 500))
     straight = StreamingFeaturizer()
@@ -263,6 +336,7 @@ def test_terminal_state_is_the_same_whatever_order_and_split_the_events_are_fold
         fraud["terminal_id"].to_list(),
         fraud["label_ts"].dt.epoch("us").to_numpy(),
         np.ones(fraud.height, bool),
+        fraud["event_id"].to_list(),
     )
     halves[1].observe_labels(labels)
     merged = StreamingFeaturizer()
@@ -309,7 +383,7 @@ def test_a_late_event_changes_no_later_events_gap(batches):
 
 def test_labels_between_batches_are_applied_by_observe_labels():
     featurizer = StreamingFeaturizer()
-    featurizer.observe_labels(LabelBatch(["t"], np.array([DAY_US]), np.array([True])))
+    featurizer.observe_labels(LabelBatch(["t"], np.array([DAY_US]), np.array([True]), ["e"]))
     raw = featurizer.raw_aggregates(EventBatch(["a"], ["t"], np.array([DAY_US + 1]), np.array([1.0])))
     assert raw["terminal_reports_1d"].tolist() == [1]
 
@@ -340,7 +414,9 @@ def test_state_written_in_a_batch_that_grows_the_tables_is_not_lost():
     # the middle of a batch; what the batch writes must land in the grown table.
     featurizer = StreamingFeaturizer()
     label_terminals = [f"L{i}" for i in range(1_100)]
-    labels = LabelBatch(label_terminals, np.full(1_100, DAY_US), np.ones(1_100, bool))
+    labels = LabelBatch(
+        label_terminals, np.full(1_100, DAY_US), np.ones(1_100, bool), [f"e{i}" for i in range(1_100)]
+    )
     featurizer.transform(EventBatch(["a"], ["t0"], np.array([DAY_US + 5]), np.array([3.0])), labels)
     record = np.frombuffer(featurizer.terminals.get_bytes("t0"), dtype=featurizer.terminals.dtype)[0]
     assert record["day_count"].sum() == 1
