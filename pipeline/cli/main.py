@@ -58,9 +58,9 @@ def _ingest(args: argparse.Namespace) -> int:
     )
     try:
         report = ingest(cfg)
-    except (IngestError, MappingError) as error:
+    except (IngestError, MappingError) as error:  # the input or the mapping: the operator's to fix
         print(error, file=sys.stderr)
-        return 1
+        return EXIT_INPUT
     print(report.format())
     return 0
 

@@ -94,7 +94,7 @@ def test_one_row_of_each_bad_kind_fails_naming_each_then_quarantine_keeps_the_re
     (tmp_path / "mapping.yaml").write_text(MAPPING)
     args = ["ingest", str(tmp_path / "bad.csv"), "--mapping", str(tmp_path / "mapping.yaml")]
 
-    assert main([*args, "--out", str(tmp_path / "failed")]) == 1
+    assert main([*args, "--out", str(tmp_path / "failed")]) == 2  # the input is wrong: the operator's to fix
     message = capsys.readouterr().err
     for expected in ("31/02/2026", 'value ""', '"NaN"', '"-3.5"', "has the event_id of", "label_ts"):
         assert expected in message, expected
