@@ -10,12 +10,12 @@ from sklearn.ensemble import HistGradientBoostingClassifier, IsolationForest, Ra
 from sklearn.linear_model import LogisticRegression
 
 from pipeline.data.dataset import read_dataset, require_labels
-from pipeline.data.splits import dataset_days, known_target
+from pipeline.data.splits import known_target
 from pipeline.evaluation.plots import log_evaluation
 from pipeline.evaluation.protocol import detection_metrics, scenario_metrics
 from pipeline.features import compute_features, fit_feature_spec
 from pipeline.registry.tracking import configure_tracking, log_params, pinned_requirements
-from pipeline.training.config import TrainConfig, TrainResult, flatten, resolve_split
+from pipeline.training.config import TrainConfig, TrainResult, flatten, split_dataset
 
 
 def _make(name: str, seed: int):
@@ -44,7 +44,7 @@ def train_baseline(cfg: TrainConfig):
     started = time.perf_counter()
     require_labels(cfg.data, f"{cfg.model} is trained and tested on known fraud")
     frame = read_dataset(cfg.data)
-    split, _ = resolve_split(cfg, dataset_days(frame))
+    split, _ = split_dataset(cfg, frame, validated=False)
     features = compute_features(frame.filter(pl.col("ts") < split.test.end))
     spec = fit_feature_spec(features, split.train.start, split.train.end)
     train = features.filter(split.train.contains()).with_columns(

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import polars as pl
+
 import configs
 from models.checks import is_finite_number, is_integer, read_number, read_setting, read_yaml_file
 from models.registry import REGISTRY, config_class
-from pipeline.data.splits import DAY, Period, Split
+from pipeline.data.splits import DAY, Period, Split, dataset_days
 from pipeline.evaluation.protocol import MAX_K
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
@@ -310,6 +312,34 @@ def resolve_split(cfg: TrainConfig, days: Period) -> tuple[Split, Period]:
             f"{error}. The dataset spans {days} ({days.days} days), carved by {_carving(cfg)}: give more data, "
             "or change those settings (--set test_days=N, --train-period, --test-period)"
         ) from None
+
+
+def split_dataset(cfg: TrainConfig, frame: pl.DataFrame, validated: bool = True) -> tuple[Split, Period]:
+    """resolve_split over the dataset's days, refusing a period that holds none of its events (it falls in a
+    gap in the data) before anything trains on it. `validated`: training stops where validation starts (the
+    detectors); otherwise it runs to the delay (the per-event baselines)."""
+    days = dataset_days(frame)
+    split, validation = resolve_split(cfg, days)
+    periods = {"training period": split.train, "test period": split.test}
+    if validated:
+        periods = {
+            "training period": Period(split.train.start, validation.start),
+            f"validation period (the last validation_days = {cfg.validation_days} of training)": validation,
+            "test period": split.test,
+        }
+    ts = frame.lazy().select("ts")
+    for name, period in periods.items():
+        if ts.filter(period.contains()).select(pl.len()).collect().item():
+            continue
+        before = ts.filter(pl.col("ts") < period.start).select(pl.col("ts").max()).collect().item()
+        after = ts.filter(pl.col("ts") >= period.end).select(pl.col("ts").min()).collect().item()
+        gap = f"from {before:%Y-%m-%d %H:%M} to {after:%Y-%m-%d %H:%M}" if before and after else "there"
+        raise ValueError(
+            f"the {name} {period} holds no events: the dataset has none {gap}. The dataset spans {days}, "
+            f"carved by {_carving(cfg)}: move the periods off the gap (--train-period, --test-period) or "
+            "change those settings"
+        )
+    return split, validation
 
 
 def _carve(cfg: TrainConfig, days: Period) -> tuple[Split, Period]:

@@ -12,10 +12,10 @@ import numpy as np
 import polars as pl
 
 from pipeline.data.dataset import read_dataset
-from pipeline.data.splits import Period, Split, dataset_days
+from pipeline.data.splits import Period, Split
 from pipeline.evaluation.protocol import DetectionMetrics, detection_metrics, scenario_metrics
 from pipeline.features import FeatureSpec, compute_features, fit_feature_spec
-from pipeline.training.config import TrainConfig, resolve_split
+from pipeline.training.config import TrainConfig, split_dataset
 from pipeline.training.datamodule import Window
 from pipeline.training.sequences import AccountSequences, build_sequences
 
@@ -45,7 +45,7 @@ def prepare(cfg: TrainConfig, spec: FeatureSpec | None = None) -> Prepared:
     """The dataset of `cfg` split, featurised and turned into account sequences (module docstring), normalised
     by `spec` when given (a trained model's own), else by one fitted on the training period."""
     frame = read_dataset(cfg.data)
-    split, validation = resolve_split(cfg, dataset_days(frame))
+    split, validation = split_dataset(cfg, frame)
     features = compute_features(frame.filter(pl.col("ts") < split.test.end))
     spec = spec or fit_feature_spec(features, split.train.start, split.train.end)
     train_seqs = build_sequences(features.filter(pl.col("ts") < split.train.end), spec, split.label_cutoff)

@@ -2,6 +2,7 @@
 
 import re
 
+import polars as pl
 import pytest
 import torch
 import yaml
@@ -15,6 +16,7 @@ from pipeline.training.config import (
     TrainConfig,
     load_train_config,
     resolve_split,
+    split_dataset,
 )
 from pipeline.training.train import train
 
@@ -292,6 +294,49 @@ def test_a_split_that_does_not_fit_the_data_names_the_data_span_and_the_settings
     assert expected in message
     assert "The dataset spans 2026-01-01:2026-01-29 (28 days), carved by " in message
     assert "validation_days = " in message and "\n" not in message
+
+
+def events_every_six_hours(period: Period, gap: Period | None = None) -> pl.DataFrame:
+    ts = pl.datetime_range(period.start, period.end, "6h", closed="left", eager=True).alias("ts")
+    frame = pl.DataFrame(ts)
+    return frame if gap is None else frame.filter(~gap.contains())
+
+
+EIGHT_WEEKS = Period.parse("2026-01-01:2026-02-26")  # 28 train (7 of them validation), 7 delay, 14 test
+
+
+@pytest.mark.parametrize(
+    "gap, model, settings, refused",
+    [
+        (
+            "2026-01-28:2026-02-06",
+            "lstm",
+            [],
+            "the validation period (the last validation_days = 7 of training)",
+        ),
+        (
+            "2026-01-09:2026-01-19",
+            "lstm",
+            ["train_period=2026-01-10:2026-01-25", "test_period=2026-02-01:2026-02-08"],
+            "the training period 2026-01-10:2026-01-18",
+        ),
+        ("2026-01-19:2026-01-28", "hist_gbdt", ["test_period=2026-01-20:2026-01-27"], "the test period"),
+    ],
+)
+def test_a_period_in_a_gap_in_the_data_is_refused_naming_the_gap(gap, model, settings, refused, tmp_path):
+    frame = events_every_six_hours(EIGHT_WEEKS, Period.parse(gap))
+    with pytest.raises(ValueError) as error:
+        split_dataset(load_train_config(tmp_path, None, settings, model=model), frame, model == "lstm")
+    message = str(error.value)
+    assert refused in message and "holds no events: the dataset has none from " in message, message
+    assert "carved by " in message and "validation_days = 7" in message
+
+
+def test_a_gap_outside_the_periods_used_is_no_error(tmp_path):
+    # The per-event baselines train up to the delay: a validation week in a gap leaves them data.
+    frame = events_every_six_hours(EIGHT_WEEKS, Period.parse("2026-01-28:2026-02-06"))
+    split, _ = split_dataset(load_train_config(tmp_path, model="hist_gbdt"), frame, validated=False)
+    assert str(split.train) == "2026-01-01:2026-02-05"
 
 
 def test_the_settings_named_are_those_that_carved_the_split(tmp_path):
