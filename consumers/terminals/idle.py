@@ -9,6 +9,10 @@ days only up to its last activity, so every window of an event RING_DAYS or more
 them, exactly as for a terminal never seen, and its max_day no longer moves such an event's day. Hence the
 setting must exceed RING_DAYS (checked at start), and every scorer and the writer may evict on their own,
 whenever they like: what they hold stays the fold of what they read, feature for feature.
+
+One thing eviction does change: the terminal's memory of the events it was reported for goes with it, so a
+label repeated later counts as a new report, on the holders that have evicted it and not on the others
+until they do (docs/operations.md, "Idle terminals").
 """
 
 import math

@@ -15,6 +15,7 @@ from models.registry import build_detector
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features import StreamingFeaturizer, compute_features, fit_feature_spec, replay_batches
 from pipeline.features.state import ACCOUNT_STATE, TERMINAL_STATE
+from pipeline.features.stream_batches import LabelBatch
 from pipeline.registry.artifact import LoadedModel
 
 
@@ -52,11 +53,13 @@ def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, fl
         latencies[i] = time.perf_counter() - t
     stream_s = time.perf_counter() - started
 
+    labels, label_s = _fold_labels_twice(frame, batch_events)
     results = {
         "batch_events_per_s": frame.height / batch_s,
         "stream_events_per_s": frame.height / stream_s,
         "stream_batch_p50_ms": float(np.percentile(latencies, 50) * 1e3),
         "stream_batch_p99_ms": float(np.percentile(latencies, 99) * 1e3),
+        "fraud_labels_per_s": labels / label_s if labels else float("nan"),
     }
     table = pl.DataFrame(
         {
@@ -64,20 +67,38 @@ def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, fl
                 "batch features (polars + numba kernels), events/s",
                 f"streaming featurizer, micro-batches of {batch_events}, events/s",
                 "streaming micro-batch latency p50 / p99, ms",
+                f"fraud labels folded between batches, each given twice ({labels // 2:,} events), labels/s",
                 "state per account / per terminal, bytes",
             ],
             "value": [
                 f"{results['batch_events_per_s']:,.0f}",
                 f"{results['stream_events_per_s']:,.0f}",
                 f"{results['stream_batch_p50_ms']:.2f} / {results['stream_batch_p99_ms']:.2f}",
+                f"{results['fraud_labels_per_s']:,.0f}",
                 f"{ACCOUNT_STATE.itemsize} / {TERMINAL_STATE.itemsize}",
             ],
-            "target": [">= 1,000,000", ">= 100,000", "", ""],
+            "target": [">= 1,000,000", ">= 100,000", "", "", ""],
         }
     )
     with pl.Config(tbl_hide_dataframe_shape=True, tbl_width_chars=120, fmt_str_lengths=80):
         print(table)
     return results
+
+
+def _fold_labels_twice(frame: pl.DataFrame, batch_labels: int) -> tuple[int, float]:
+    """(labels, seconds): every fraud label of `frame`, then each again (a repeat, recognised and not
+    counted), folded by observe_labels in batches of `batch_labels`, as a restore folds a label backlog."""
+    fraud = frame.filter(pl.col("is_fraud") & pl.col("label_ts").is_not_null()).sort("label_ts")
+    fraud = pl.concat([fraud, fraud])
+    terminals, events = fraud["terminal_id"].to_list(), fraud["event_id"].to_list()
+    label_us = fraud["label_ts"].dt.epoch("us").to_numpy()
+    featurizer = StreamingFeaturizer()
+    started = time.perf_counter()
+    for i in range(0, fraud.height, batch_labels):
+        part = slice(i, i + batch_labels)
+        n = len(label_us[part])
+        featurizer.observe_labels(LabelBatch(terminals[part], label_us[part], np.ones(n, bool), events[part]))
+    return fraud.height, time.perf_counter() - started
 
 
 def run_replay_bench(events: int, models: list[str], batch_events: int, seed: int) -> dict[str, float]:

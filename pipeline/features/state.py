@@ -188,7 +188,8 @@ def ring_window_sums(
 
 def encode_tables(tables: dict[str, StateTable]) -> bytes:
     """Whole-featurizer snapshot: header, key lists, then every table's records in key order."""
-    header = {name: list(table) for name, table in tables.items()}
+    header: dict = {name: list(table) for name, table in tables.items()}
+    header["record_bytes"] = {name: table.dtype.itemsize for name, table in tables.items()}
     header_bytes = json.dumps(header).encode("utf-8")
     parts = [_HEADER.pack(_MAGIC, STATE_VERSION, FEATURE_VERSION, len(header_bytes)), header_bytes]
     for name, table in tables.items():
@@ -211,6 +212,16 @@ def decode_tables(data: bytes, tables: dict[str, StateTable]) -> None:
     offset = _HEADER.size
     header = json.loads(data[offset : offset + header_len])
     offset += header_len
+    # Written before the record sizes were: accounts of 580 bytes, terminals of 484 (before they remembered
+    # their reported events).
+    sizes = header.get("record_bytes", {"accounts": 580, "terminals": 484})
+    for name, table in tables.items():
+        if sizes.get(name) != table.dtype.itemsize:
+            raise ValueError(
+                f"featurizer state snapshot holds {name} records of {sizes.get(name)} bytes; this txsentinel's "
+                f"are {table.dtype.itemsize} bytes. Rebuild the state by replaying history with the current "
+                "version."
+            )
     for name, table in tables.items():
         keys = header[name]
         size = len(keys) * table.dtype.itemsize

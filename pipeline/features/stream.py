@@ -19,7 +19,7 @@ Terminal state is ORDER-FREE: each event is counted at its terminal on its own d
 newest day), each reported event once, on the earliest day it was labelled (a repeated label finds it among
 the reports its terminal remembers), and max_day is a maximum, so the terminal table is the same whatever
 order, batching or split across instances the events and labels are folded in (for the reports: while a
-terminal has at most REMEMBERED_REPORTS of them; _remember_reports says what happens beyond). The scoring
+terminal has at most REMEMBERED_REPORTS of them; _report_once says what happens beyond). The scoring
 service relies on it to merge other instances' terminal counts (consumers/terminals/deltas.py).
 
 Labels are applied at their label_ts: a fraud label given with a batch counts for the events of that batch
@@ -373,53 +373,13 @@ class StreamingFeaturizer:
     def _fold_terminal_reports(
         self, terminals: list[str], slots: np.ndarray, days: np.ndarray, events: np.ndarray
     ) -> None:
-        """Count fraud reports at their terminals, each event once, on the earliest day it was labelled.
-        Order-free while a terminal has at most REMEMBERED_REPORTS reports (_remember_reports)."""
+        """Count fraud reports at their terminals, each event once, on the earliest day it was labelled
+        (_report_once), one at a time: a batch of labels folds as they would one by one."""
         rec = self.terminals.records
-        counted = self._remember_reports(rec, slots, days, events)
-        self._fold_days(
-            rec, slots[counted], days[counted], {"report_count": np.ones(counted.sum())}, "report_day"
-        )
+        for slot, day, event in zip(slots.tolist(), days.tolist(), events.tolist(), strict=True):
+            _report_once(rec, slot, day, event)
         if self.terminal_journal is not None:
             self.terminal_journal.append(TerminalOp("reports", terminals, days.astype(np.int64), events))
-
-    @staticmethod
-    def _remember_reports(rec, slots: np.ndarray, days: np.ndarray, events: np.ndarray) -> np.ndarray:
-        """[L] which reports to count: an event not yet reported at its terminal is remembered there and
-        counted; a repeat on the same or a later day is not; a repeat on an earlier day moves the report
-        there (uncounted from its day, counted on the new one), so the report always sits on the earliest
-        label day, whatever order the labels come in.
-
-        Each terminal remembers its REMEMBERED_REPORTS newest reports: a new one takes the place of the
-        oldest, and a report older than all of them, the memory full, is counted without being remembered.
-        Few fraud labels come at a time: a Python loop over them, [REMEMBERED_REPORTS] numpy work each.
-        """
-        counted = np.ones(len(slots), dtype=bool)
-        remembered, remembered_day = rec["reported_event"], rec["reported_day"]
-        for i, (slot, day, event) in enumerate(
-            zip(slots.tolist(), days.tolist(), events.tolist(), strict=True)
-        ):
-            held = np.flatnonzero(remembered[slot] == event)
-            if held.size:
-                j = int(held[0])
-                was = int(remembered_day[slot, j])
-                if day >= was:
-                    counted[i] = False
-                    continue
-                bucket = was % RING_DAYS
-                if rec["report_day"][slot, bucket] == was:  # still in the ring: take it back out
-                    rec["report_count"][slot, bucket] -= 1
-                    if rec["report_count"][slot, bucket] == 0:  # as if it had never been counted
-                        rec["report_day"][slot, bucket] = -1
-                remembered_day[slot, j] = day
-            elif remembered_day[slot, 0] <= day:  # the oldest report, or an empty slot (-1), makes way
-                remembered[slot, 0], remembered_day[slot, 0] = event, day
-            else:
-                continue
-            # Kept sorted by (day, event), empty slots first: the same reports give the same bytes.
-            order = np.lexsort((remembered[slot], remembered_day[slot]))
-            remembered[slot], remembered_day[slot] = remembered[slot][order], remembered_day[slot][order]
-        return counted
 
     def take_terminal_journal(self) -> list["TerminalOp"]:
         """The operations journaled since the last take (journaling must be on)."""
@@ -485,3 +445,57 @@ class StreamingFeaturizer:
             name: np.bincount(inverse, weights=v, minlength=len(unique_key)) for name, v in values.items()
         }
         add_to_ring(rec, unique_key // _DAY_SPAN, unique_key % _DAY_SPAN, totals, day_field)
+
+
+def _report_once(rec: np.ndarray, slot: int, day: int, event: int) -> None:
+    """Fold a fraud report of `event` (its event_id_hash) on `day` into terminal record `slot`.
+
+    The terminal remembers the events it was reported for, each on the earliest day it was labelled, kept
+    sorted by (day, event) so that the same reports give the same bytes. A report of an event it remembers
+    on that day or earlier changes nothing; on a later day, it moves to this one. A new event takes the
+    place of the oldest remembered report when the memory is full; an event older than every remembered
+    one is counted without being remembered.
+
+    The report ring then holds, bucket by bucket, the newest day of the remembered reports that fall in it
+    and how many are on that day: what folding each event once on its earliest day gives, whatever order
+    the reports came in, while the terminal has at most REMEMBERED_REPORTS of them.
+    """
+    memory, memory_day = rec["reported_event"][slot], rec["reported_day"][slot]  # views, [REMEMBERED_REPORTS]
+    held = np.flatnonzero(memory == event)
+    if held.size:
+        j = int(held[0])
+        was = int(memory_day[j])
+        if day >= was:
+            return
+        _uncount_report(rec, slot, was, np.delete(memory_day, j))
+        memory_day[j] = day
+    elif memory_day[0] <= day:  # an empty place (-1), or the oldest report, makes way
+        memory[0], memory_day[0] = event, day
+    _count_report(rec, slot, day)
+    order = np.lexsort((memory, memory_day))
+    memory[:], memory_day[:] = memory[order], memory_day[order]
+
+
+def _count_report(rec: np.ndarray, slot: int, day: int) -> None:
+    """One report into the ring: a bucket keeps its newest day (add_to_ring's rule, for one report)."""
+    bucket = day % RING_DAYS
+    held = int(rec["report_day"][slot, bucket])
+    if day > held:
+        rec["report_day"][slot, bucket], rec["report_count"][slot, bucket] = day, 1
+    elif day == held:
+        rec["report_count"][slot, bucket] += 1
+
+
+def _uncount_report(rec: np.ndarray, slot: int, day: int, other_days: np.ndarray) -> None:
+    """Take one report on `day` back out of the ring. A bucket it leaves empty is rebuilt from the other
+    remembered reports (`other_days`): a newer day had hidden any of them that fall in it, and they show
+    again."""
+    bucket = day % RING_DAYS
+    if rec["report_day"][slot, bucket] != day:  # a newer day holds the bucket: the report was not counted
+        return
+    rec["report_count"][slot, bucket] -= 1
+    if rec["report_count"][slot, bucket] == 0:
+        rest = other_days[(other_days >= 0) & (other_days % RING_DAYS == bucket)]
+        newest = int(rest.max()) if rest.size else -1
+        rec["report_day"][slot, bucket] = newest
+        rec["report_count"][slot, bucket] = int((rest == newest).sum())

@@ -41,6 +41,10 @@ class TerminalOp:
     days: np.ndarray
     events: np.ndarray | None = None  # [K] uint64, reports only
 
+    def __post_init__(self) -> None:
+        if self.kind == "reports" and self.events is None:
+            raise ValueError("a reports op needs the event_id_hash of each reported event")
+
 
 @dataclass(frozen=True)
 class FeaturizerCheckpoint:

@@ -304,14 +304,15 @@ def test_two_instances_count_every_event_at_its_terminal(kafka_bootstrap, servic
         for p in ports
     )
     wait_for_stable_group(kafka_bootstrap, cfg.group_id, 2, a)
-    # Every label comes twice, the repeat an hour later and keyed by account, so on another partition and
-    # folded before or after the first by each reader: each event is still reported once.
-    repeats = [replace(label, label_ts_us=label.label_ts_us + 3_600_000_000) for label in labels]
+    # Every label comes twice: first a repeat dated two days later, keyed by account (so on another
+    # partition), then the label itself. A reader that folds the repeat first counts the report two days
+    # late and moves it back when the label comes: each event is reported once, on the label's day.
+    repeats = [replace(label, label_ts_us=label.label_ts_us + 2 * 86_400_000_000) for label in labels]
     produce(
         kafka_bootstrap,
         cfg.topic("labels"),
-        [(label.event_id, encode_label(label)) for label in labels]
-        + [(label.account_id, encode_label(label)) for label in repeats],
+        [(label.account_id, encode_label(label)) for label in repeats]
+        + [(label.event_id, encode_label(label)) for label in labels],
     )
     scored(events, a, len(events))
     # Idle now. Each instance folds in every delta record the other wrote (and never its own), so once both

@@ -2,11 +2,15 @@
 batch form's compiled kernels equal its polars/numpy reference bit for bit."""
 
 import itertools
+import json
+import struct
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import polars as pl
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features import (
@@ -248,6 +252,61 @@ def test_a_report_counts_on_the_earliest_day_its_event_was_labelled_whatever_ord
     assert raw["terminal_reports_7d"].tolist() == [1, 1]
 
 
+def fold_labels(labels: list[tuple[int, int]], cuts: list[int] = ()) -> bytes:
+    """The terminal record after (event number, label day) labels at terminal "t", given in batches cut at
+    `cuts`."""
+    featurizer = StreamingFeaturizer()
+    for part in np.split(np.arange(len(labels)), sorted(set(cuts))):
+        if len(part):
+            picked = [labels[i] for i in part.tolist()]
+            featurizer.observe_labels(
+                LabelBatch(
+                    ["t"] * len(picked),
+                    np.array([day for _, day in picked]) * DAY_US,
+                    np.ones(len(picked), bool),
+                    [f"e{event}" for event, _ in picked],
+                )
+            )
+    return featurizer.terminals.get_bytes("t")
+
+
+def each_once_on_its_earliest_day(labels: list[tuple[int, int]]) -> bytes:
+    earliest = {}
+    for event, day in labels:
+        earliest[event] = min(day, earliest.get(event, day))
+    return fold_labels(sorted(earliest.items()))
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        [(0, 9), (0, 5)],  # the earlier-dated repeat second, in the same batch
+        [(0, 5), (1, 35), (1, 10)],  # 5 and 35 share a ring bucket: 35 hides 5 until it moves to 10
+        [(0, 35), (1, 40), (1, 5), (0, 3)],
+    ],
+)
+def test_repeats_in_one_batch_or_one_at_a_time_fold_alike_in_every_order(labels):
+    want = each_once_on_its_earliest_day(labels)
+    for order in itertools.permutations(labels):
+        assert fold_labels(list(order)) == want, order  # one batch
+        assert fold_labels(list(order), list(range(len(order)))) == want, order  # one at a time
+
+
+@settings(max_examples=300, deadline=None, database=None)  # no example database left in the checkout
+@given(
+    labels=st.lists(
+        st.tuples(st.integers(0, REMEMBERED_REPORTS - 1), st.integers(0, 99)), min_size=1, max_size=60
+    ),
+    data=st.data(),
+)
+def test_any_repeats_in_any_order_and_batching_fold_to_each_event_once_on_its_earliest_day(labels, data):
+    """Up to REMEMBERED_REPORTS events at one terminal, each labelled any number of times on days spread
+    over several ring lengths: the record is that of each event reported once, on its earliest day."""
+    order = data.draw(st.permutations(labels))
+    cuts = data.draw(st.lists(st.integers(0, len(labels)), max_size=6))
+    assert fold_labels(order, cuts) == each_once_on_its_earliest_day(labels)
+
+
 def test_a_terminal_remembers_its_newest_reports():
     # More reports than a terminal remembers, then all of them again: the repeats of the newest
     # REMEMBERED_REPORTS are not counted, those of the older ones, forgotten, are.
@@ -355,6 +414,23 @@ def test_state_snapshot_of_another_version_is_refused():
     data[4] = 99  # state version
     with pytest.raises(ValueError, match="state v99"):
         StreamingFeaturizer.from_bytes(bytes(data))
+
+
+def test_a_snapshot_whose_records_are_of_another_size_is_refused_by_name():
+    featurizer = StreamingFeaturizer()
+    featurizer.transform(EventBatch(["a"], ["t"], np.array([DAY_US]), np.ones(1)))
+    data = featurizer.to_bytes()
+    assert StreamingFeaturizer.from_bytes(data).terminals.get_bytes("t") == featurizer.terminals.get_bytes(
+        "t"
+    )
+    # As written before snapshots said their record sizes, when a terminal's record was 484 bytes.
+    magic, state, feature, length = struct.unpack_from("<4sHHI", data)
+    header = json.loads(data[12 : 12 + length])
+    del header["record_bytes"]
+    text = json.dumps(header).encode()
+    older = struct.pack("<4sHHI", magic, state, feature, len(text)) + text + data[12 + length :]
+    with pytest.raises(ValueError, match="terminals records of 484 bytes; this txsentinel's are 868 bytes"):
+        StreamingFeaturizer.from_bytes(older)
 
 
 def test_late_event_in_the_stream_is_featurized_without_going_back_in_time():
