@@ -154,7 +154,8 @@ def read_table(
         if positions_value is None
         else decode_positions(positions_value, labels_topic, deltas_topic)
     )
-    table = StateTable(TERMINAL_STATE)
+    # Records for what was read and no more: doubling up to it could leave nearly as many again unused.
+    table = StateTable(TERMINAL_STATE, capacity=max(1024, len(latest)))
     for key, value in latest.items():
         if value is not None:  # None: a tombstone (a terminal deleted by hand)
             table.put_bytes(key, decode_terminal(key, value))

@@ -67,6 +67,10 @@ class StateTable:
         self.records = np.repeat(self._empty[None], capacity, axis=0)
         self.slot_of: dict[str, int] = {}
         self._free: list[int] = []
+        # Doubling stops here once (None: never); should more records still be needed, it doubles on from
+        # there. A holder that caps its keys sets it (consumers/terminals/idle.py), so that the records of
+        # 5M terminals do not take the 8.4M a power of two would.
+        self.row_limit: int | None = None
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -96,10 +100,7 @@ class StateTable:
         reused = [self._free.pop() for _ in range(min(len(self._free), len(keys)))]
         block = len(keys) - len(reused)
         if start + block > len(self.records):
-            grown = np.repeat(
-                self._empty[None], max(len(self.records), start + block - len(self.records)), axis=0
-            )
-            self.records = np.concatenate([self.records, grown])
+            self._grow(start + block - len(self.records))
         slots = np.concatenate(
             [np.asarray(reused, dtype=np.int64), np.arange(start, start + block, dtype=np.int64)]
         )
@@ -113,11 +114,17 @@ class StateTable:
         else:
             slot = len(self.slot_of)
             if slot >= len(self.records):
-                grown = np.repeat(self._empty[None], len(self.records), axis=0)
-                self.records = np.concatenate([self.records, grown])
+                self._grow(1)
         self.records[slot] = self._empty
         self.slot_of[key] = slot
         return slot
+
+    def _grow(self, at_least: int) -> None:
+        # Doubling (or `at_least` records more at once: a block), stopping at row_limit.
+        added = max(len(self.records), at_least)
+        if self.row_limit is not None and len(self.records) < self.row_limit:
+            added = min(added, max(self.row_limit - len(self.records), at_least))
+        self.records = np.concatenate([self.records, np.repeat(self._empty[None], added, axis=0)])
 
     def get_bytes(self, key: str) -> bytes | None:
         slot = self.slot_of.get(key)

@@ -66,6 +66,19 @@ def test_a_delta_of_another_version_is_refused_and_garbage_is_a_message_error_to
             terminal_deltas.decode_deltas("deltas[0]@3", value)
 
 
+def test_a_table_stops_doubling_at_its_row_limit_and_doubles_on_past_it():
+    table = StateTable(TERMINAL_STATE, capacity=4)
+    table.row_limit = 10  # a holder's cap and its room (consumers/terminals/idle.py)
+    table.slots([f"t{i}" for i in range(5)])  # one at a time: 4 -> 8
+    assert len(table.records) == 8
+    table.slots(["t5", "t6", "t7", "t8"])  # 9 held: 8 -> 10, not 16
+    assert len(table.records) == 10
+    table.add([f"u{i}" for i in range(5)])  # 14 held: past the limit it doubles on
+    assert len(table.records) == 20 and len(table) == 14
+    empty = StateTable(TERMINAL_STATE).records[0].tobytes()
+    assert table.get_bytes("u4") == empty == table.get_bytes("t8")
+
+
 def test_positions_round_trip_and_refuse_other_topics():
     positions = Positions(labels={1: 7, 0: 3}, deltas={0: 11})
     data = terminal_table.encode_positions(positions, "labels", "deltas")
