@@ -94,6 +94,12 @@ METRICS = {
         "counter",
         "Idle terminals deleted from the terminal table, a tombstone each (terminal_idle_days; the table writer).",
     ),
+    "txsentinel_terminals_capped_total": (
+        "counter",
+        "Terminals let go before they were idle because their holder held more than max_terminals_in_memory "
+        "(holder: scorer, from this instance's memory; writer, from the table, a tombstone each).",
+    ),
+    "txsentinel_terminals_in_memory": ("gauge", "Terminals held in this instance's scoring memory."),
     "txsentinel_terminal_table_flushes_total": (
         "counter",
         "Transactions of the terminal table writer (only the instance that owns transactions partition 0).",
@@ -157,11 +163,13 @@ METRICS = {
         "The model this instance serves: registered name and version, detector, feature version, source URI.",
     ),
 }
-# labelled gauges: name -> their label; their values are set together, one per label value (set_labelled)
+# labelled metrics: name -> their label. A gauge's values are set together, one per label value
+# (set_labelled); a counter's one label value at a time (inc and set with `label`).
 LABELLED = {
     "txsentinel_feature_psi": "feature",
     "txsentinel_drift_reference": "of",
     "txsentinel_state_norm": "quantile",
+    "txsentinel_terminals_capped_total": "holder",
 }
 HISTOGRAMS = {
     "txsentinel_batch_events": (1, 10, 50, 100, 250, 500, 1000, 2000, 5000),
@@ -213,18 +221,27 @@ class Metrics:
         for collector in (ProcessCollector, GCCollector, PlatformCollector):
             collector(registry=self.registry)
 
-    def inc(self, name: str, amount: float = 1.0) -> None:
+    def inc(self, name: str, amount: float = 1.0, label: str | None = None) -> None:
+        """Add to `name`, or to its sample of label value `label` (a labelled counter)."""
         with self._lock:
-            self._values[name] += amount
+            if label is None:
+                self._values[name] += amount
+            else:
+                samples = self._labelled[name]
+                samples[label] = samples.get(label, 0.0) + amount
 
-    def set(self, name: str, value: float) -> None:
+    def set(self, name: str, value: float, label: str | None = None) -> None:
+        """Set `name`, or its sample of label value `label` (a labelled counter set from a running total)."""
         with self._lock:
-            self._values[name] = float(value)
+            if label is None:
+                self._values[name] = float(value)
+            else:
+                self._labelled[name][label] = float(value)
 
     def set_labelled(self, name: str, values: dict[str, float]) -> None:
         """Labelled gauge `name`: one sample per {label value: value}, replacing the previous ones."""
         if name not in LABELLED:
-            raise ValueError(f"metric {name} has no label; labelled gauges: {sorted(LABELLED)}")
+            raise ValueError(f"metric {name} has no label; labelled metrics: {sorted(LABELLED)}")
         with self._lock:
             self._labelled[name] = {str(key): float(value) for key, value in values.items()}
 
@@ -259,7 +276,8 @@ class Metrics:
         values.update({name: float(read()) for name, read in self._read.items()})
         for name, (kind, text) in METRICS.items():
             if name in LABELLED:
-                family = GaugeMetricFamily(name, text, labels=[LABELLED[name]])
+                of_kind = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                family = of_kind(name, text, labels=[LABELLED[name]])
                 for key, value in labelled[name].items():
                     family.add_metric([key], value)
                 yield family

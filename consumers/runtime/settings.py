@@ -77,6 +77,13 @@ class ServeConfig:
     # the longest terminal window (30 days), so evicting changes no feature of an event at most this many
     # days minus 30 older than the newest (consumers/terminals/idle.py). 0: never.
     terminal_idle_days: int = 90
+    # The most terminals a holder (every scorer, the table writer) keeps, whatever their activity: beyond it,
+    # the least recently active go at once, down to 90% of it, and the writer writes their tombstones. Unlike
+    # idle eviction this changes features (a terminal let go loses the counts still in its windows), so each
+    # time is logged as an error and counted (txsentinel_terminals_capped_total). A terminal held costs ~1 KB
+    # (docs/operations.md, "Too many terminals"): set it above the terminals active within terminal_idle_days.
+    # 0: no cap.
+    max_terminals_in_memory: int = 5_000_000
     # Used only when the service creates a missing transactions topic; an existing one keeps its own.
     transactions_partitions: int = 3
     replication_factor: int = 1

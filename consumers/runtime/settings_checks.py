@@ -39,6 +39,7 @@ def check_settings(cfg: Any) -> None:
         ("terminal_deltas_retention_ms", 60_000),
         ("terminal_feed_interval_ms", 0),  # 0: before every batch
         ("terminal_idle_days", 0),  # 0: never; else more than 30 (consumers/terminals/idle.py)
+        ("max_terminals_in_memory", 0),  # 0: no cap
         ("max_states_in_memory", 1),
         ("max_state_bytes_in_memory", 1),
         ("max_message_bytes", 64),

@@ -74,9 +74,8 @@ class BatchScorer:
         self.seq = 0  # the last batch's
         self.feed_interval_s = cfg.terminal_feed_interval_ms / 1000
         self.feed_read_at = -math.inf  # time.monotonic() of the last read of the feed
-        self.eviction = TerminalEviction(
-            cfg.terminal_idle_days
-        )  # refuses a setting that would change features
+        # Refuses an idle time that would change features; caps what the scorer holds (max_terminals_in_memory).
+        self.eviction = TerminalEviction(cfg.terminal_idle_days, cfg.max_terminals_in_memory, "scorer")
         self.model_version = model_version
         self.limits = MessageLimits.of(cfg)  # refuses bounds it cannot keep, before the service starts
         # Input messages with fields of no known name (unknown_fields: ignore), transactions' and labels'.
@@ -116,6 +115,7 @@ class BatchScorer:
                 self._score_alone(out, event)
         else:
             out.records += self._score(out, events)
+        self.let_terminals_go()  # what the feed and the batch brought past the cap goes before the next batch
         out.seconds = {"decode": decoded - started, "score": time.monotonic() - decoded}
         return out
 
@@ -244,14 +244,17 @@ class BatchScorer:
         self.feed_read_at = now
         got = self.feed.read(self.session)
         got.fold_into(self.scorer.featurizer)
-        evicted = self.eviction.evict(self.scorer.featurizer.terminals, now)
-        if evicted:
-            log.info(
-                "idle terminals evicted terminals=%d kept=%d",
-                len(evicted),
-                len(self.scorer.featurizer.terminals),
-            )
+        self.let_terminals_go(now)
         return len(got.labels), len(got.deltas)
+
+    def let_terminals_go(self, now: float | None = None) -> None:
+        """The idle terminals, every EVICT_EVERY_S, then the least recently active beyond
+        max_terminals_in_memory (consumers/terminals/idle.py); after every fold, batch and restore."""
+        terminals = self.scorer.featurizer.terminals
+        evicted = self.eviction.evict(terminals, now)
+        if evicted:
+            log.info("idle terminals evicted terminals=%d kept=%d", len(evicted), len(terminals))
+        self.eviction.cap(terminals, now)
 
 
 def _where(record) -> str:

@@ -277,10 +277,13 @@ class Restore:
         cfg, featurizer = self.cfg, self.scorer.featurizer
         started = time.monotonic()
         self.feed.start_from_table(featurizer, self.restorer, cfg.topic("terminal_table"))
+        featurizer.terminals.row_limit = self.batches.eviction.row_limit
         self.stats.restored_terminals += len(featurizer.terminals)
         featurizer.terminal_journal = []  # what the rewound batches folded is gone with the old table
         got = self.feed.read(to_high_watermark=True)  # every session's deltas: none of them is folded yet
         got.fold_into(featurizer)
+        self.batches.let_terminals_go()
+        self._count_terminals()
         self.stats.labels_applied += len(got.labels)
         self.metrics.inc("txsentinel_labels_applied_total", len(got.labels))
         self.terminal_restores += 1
@@ -302,6 +305,7 @@ class Restore:
         self.stats.terminal_deltas_applied += deltas
         self.metrics.inc("txsentinel_labels_applied_total", labels)
         self.metrics.inc("txsentinel_terminal_deltas_applied_total", deltas)
+        self._count_terminals()
 
     def _run_writer(self, partitions: Iterable[int], assigned: bool) -> None:
         """The table writer runs where transactions partition 0 is (consumers/terminals/writer.py), unless

@@ -42,6 +42,7 @@ class ServeStats:
     states_evicted: int = 0  # dormant accounts let go of beyond max_states_in_memory
     states_reloaded: int = 0  # dormant accounts read back from the changelog when they returned
     unknown_fields: int = 0  # input messages with fields of no known name, read all the same
+    terminals_capped: int = 0  # let go of before they were idle, beyond max_terminals_in_memory
 
 
 def model_info(model: LoadedModel) -> dict[str, str]:
@@ -99,6 +100,7 @@ class Bookkeeping:
         m.inc("txsentinel_states_reloaded_total", out.reloaded)
         m.inc("txsentinel_unknown_fields_total", out.unknown_fields)
         m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
+        self._count_terminals()
         m.set("txsentinel_consumer_lag", self._lag())
         m.observe("txsentinel_batch_events", out.events)
         m.observe("txsentinel_commit_seconds", committed.seconds)
@@ -115,6 +117,13 @@ class Bookkeeping:
                 "batch events=%d scored=%d %s wait_s=%.4f commit_s=%.4f",
                 out.events, out.scored, phases, out.waited_s, committed.seconds,
             )  # fmt: skip
+
+    def _count_terminals(self) -> None:
+        """The terminals held, and those let go beyond max_terminals_in_memory (after a batch, a fold of the
+        feed or a restore: the cap has just been applied)."""
+        self.stats.terminals_capped = self.batches.eviction.capped
+        self.metrics.set("txsentinel_terminals_capped_total", self.stats.terminals_capped, label="scorer")
+        self.metrics.set("txsentinel_terminals_in_memory", len(self.scorer.featurizer.terminals))
 
     def _refresh_health(self) -> None:
         """The drift and state-health gauges, every drift_refresh_s (on the service's thread, between batches:

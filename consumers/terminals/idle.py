@@ -1,5 +1,6 @@
-"""Idle terminals leave memory, and the table writer deletes them from the terminal table (tombstones), so
-neither grows for ever.
+"""Terminals leave memory, and the table writer deletes them from the terminal table (tombstones), so
+neither grows for ever: the idle ones, which changes no feature, and, beyond `max_terminals_in_memory`, the
+least recently active, which does.
 
 A terminal is idle when its newest event day and its newest fraud-report day are both more than
 `terminal_idle_days` before the newest event day its table holds (stream time, not the clock: a replay of
@@ -13,8 +14,20 @@ whenever they like: what they hold stays the fold of what they read, feature for
 One thing eviction does change: the terminal's memory of the events it was reported for goes with it, so a
 label repeated later counts as a new report, on the holders that have evicted it and not on the others
 until they do (docs/operations.md, "Idle terminals").
+
+The cap. Idleness bounds a holder by the terminals active within `terminal_idle_days`, not by how many
+those are: valid events each naming a new terminal_id would grow every holder by ~1 KB an event until the
+process is killed for memory. So a holder that holds more than `max_terminals_in_memory` lets go, on its
+next call (a len while under it), of the least recently active (by the newest of their event and report
+days; ties by terminal id) down to CAP_KEEP of the cap, so that a flood costs a scan per tenth of the cap in
+new terminals, not one per batch. This CHANGES features: a terminal let go loses the counts still in its
+windows, and the holders apply the rule to what each holds, when each folds, so for a while a terminal may
+be gone on one and held on another. Hence never silently: an error at most every CAP_LOG_EVERY_S, with
+what to do, and a count (txsentinel_terminals_capped_total; docs/operations.md, "Too many terminals").
 """
 
+import datetime
+import logging
 import math
 import time
 
@@ -23,9 +36,24 @@ import numpy as np
 from pipeline.features.definitions import RING_DAYS
 from pipeline.features.state import StateTable
 
+log = logging.getLogger(__name__)
+
 # How often a holder looks for idle terminals: a scan reads every terminal's record (~40 ms for 1M), and
 # terminals go idle over days.
 EVICT_EVERY_S = 600.0
+CAP_KEEP = 0.9  # a holder over the cap lets go down to this share of it
+CAP_LOG_EVERY_S = 60.0  # the cap's error, at most this often (the first at once)
+
+
+def _days(table: StateTable) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The terminals of `table`, [N] the newest day of an event at each (-1: none yet) and [N] the day each
+    was last active: the newest of that and its newest fraud-report day (-1: neither)."""
+    keys = list(table.slot_of)
+    slots = np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))
+    records = table.records
+    event_day = records["max_day"][slots].astype(np.int64)
+    report_day = records["report_day"][slots].max(axis=1).astype(np.int64)
+    return keys, event_day, np.maximum(event_day, report_day)
 
 
 def idle_terminals(table: StateTable, idle_days: int) -> list[str]:
@@ -33,29 +61,49 @@ def idle_terminals(table: StateTable, idle_days: int) -> list[str]:
     the newest event day in it."""
     if not len(table):
         return []
-    keys = list(table.slot_of)
-    slots = np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))
-    records = table.records
-    event_day = records["max_day"][slots].astype(np.int64)  # [N], -1: no event yet
-    report_day = records["report_day"][slots].max(axis=1).astype(np.int64)  # [N], -1: no report
+    keys, event_day, active_day = _days(table)
     today = int(event_day.max())
     if today < 0:
         return []
-    idle = np.flatnonzero(np.maximum(event_day, report_day) < today - idle_days)
-    return [keys[i] for i in idle]
+    return [keys[i] for i in np.flatnonzero(active_day < today - idle_days)]
+
+
+def _least_active(keys: list[str], active_day: np.ndarray, count: int) -> tuple[list[str], int]:
+    """The `count` of `keys` last active longest ago by `active_day` [N] (ties by id, so every holder picks
+    alike), and the day the most recently active of them was last active (-1: none was). 0 < count < N."""
+    bound = int(np.partition(active_day, count - 1)[count - 1])  # the newest day among those that go
+    older = [keys[i] for i in np.flatnonzero(active_day < bound)]
+    tied = sorted(keys[i] for i in np.flatnonzero(active_day == bound))  # ~0.3 s a million ids
+    return older + tied[: count - len(older)], bound
+
+
+def _date(day: int) -> str:
+    return "never" if day < 0 else (datetime.date(1970, 1, 1) + datetime.timedelta(days=day)).isoformat()
 
 
 class TerminalEviction:
-    def __init__(self, idle_days: int, every_s: float = EVICT_EVERY_S):
-        """`idle_days`: terminal_idle_days (0: never evict). ValueError unless 0 or above RING_DAYS."""
+    def __init__(
+        self, idle_days: int, max_terminals: int = 0, holder: str = "scorer", every_s: float = EVICT_EVERY_S
+    ):
+        """`idle_days`: terminal_idle_days (0: never evict), ValueError unless 0 or above RING_DAYS;
+        `max_terminals`: max_terminals_in_memory (0: no cap); `holder`: who holds the table, for the log."""
         if idle_days != 0 and idle_days <= RING_DAYS:
             raise ValueError(
                 f"terminal_idle_days = {idle_days}: expected 0 (keep every terminal) or more than {RING_DAYS}, "
                 f"the longest terminal window; evicting sooner would change the features of its terminals"
             )
-        self.idle_days, self.every_s = idle_days, every_s
+        self.idle_days, self.every_s, self.holder = idle_days, every_s, holder
+        self.max_terminals = max_terminals
+        self.keep = math.ceil(max_terminals * CAP_KEEP)  # what a holder over the cap keeps
+        # A table's records stop doubling here (StateTable.row_limit): room for what one fold or batch
+        # brings above the cap before the holder lets go. None: no cap, doubling as it needs.
+        self.row_limit = max_terminals + max_terminals // 10 if max_terminals else None
         self.checked_at = -math.inf  # time.monotonic() of the last scan
-        self.evicted = 0  # since the start
+        self.evicted = 0  # idle, since the start
+        self.capped = 0  # over the cap, since the start
+        self.logged_at = -math.inf  # time.monotonic() of the cap's last error
+        self.unlogged = 0  # let go over the cap since that error
+        self.unlogged_day = self.unlogged_newest = -1  # the newest day of activity among them, and held
 
     def evict(self, table: StateTable, now: float | None = None, force: bool = False) -> list[str]:
         """Remove the idle terminals from `table`, at most every `every_s` (of time.monotonic(), or `now`
@@ -69,3 +117,37 @@ class TerminalEviction:
             table.evict(terminal)
         self.evicted += len(idle)
         return idle
+
+    def cap(self, table: StateTable, now: float | None = None) -> list[str]:
+        """Over `max_terminals`, remove the least recently active terminals from `table` down to `keep`;
+        their ids. Cheap enough for every batch: a len, unless over."""
+        gone: list[str] = []
+        if self.max_terminals and len(table) > self.max_terminals:
+            keys, event_day, active_day = _days(table)
+            gone, day = _least_active(keys, active_day, len(keys) - self.keep)
+            newest_held = int(event_day.max())
+            for terminal in gone:
+                table.evict(terminal)
+            self.capped += len(gone)
+            self.unlogged += len(gone)
+            self.unlogged_day, self.unlogged_newest = max(self.unlogged_day, day), newest_held
+        if self.unlogged:
+            now = time.monotonic() if now is None else now
+            if now - self.logged_at >= CAP_LOG_EVERY_S:
+                self._log_capped()
+                self.logged_at = now
+        return gone
+
+    def _log_capped(self) -> None:
+        day, newest = self.unlogged_day, self.unlogged_newest
+        log.error(
+            "terminals let go over the cap before they were idle holder=%s max_terminals_in_memory=%d "
+            "let_go=%d since_start=%d newest_let_go_active=%s days_before_newest_held=%s: their counts still "
+            "inside the %d-day windows are lost to the features of their later events. Raise "
+            "max_terminals_in_memory (~1 KB a terminal) above the terminals active within terminal_idle_days, "
+            "and look for what sends so many new terminal ids (docs/operations.md, \"Too many terminals\")",
+            self.holder, self.max_terminals, self.unlogged, self.capped, _date(day),
+            newest - day if day >= 0 and newest >= 0 else "-", RING_DAYS,
+        )  # fmt: skip
+        self.unlogged = 0
+        self.unlogged_day = -1

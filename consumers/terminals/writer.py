@@ -14,8 +14,10 @@ the feed to its positions, then fold what arrives. Every `flush_s`, when somethi
 writes the changed terminals, the labels and delta records that do not decode to `dead-letter` (the writer is
 the one reader that dead-letters them, so each goes there once however many instances read it), and the
 positions, last. The table is then
-exactly the fold of everything before its positions, less the idle terminals: every EVICT_EVERY_S a flush
-also deletes those (consumers/terminals/idle.py) with a tombstone each, so the table does not grow for ever.
+exactly the fold of everything before its positions, less the terminals let go: every EVICT_EVERY_S a
+flush also deletes the idle ones (consumers/terminals/idle.py) with a tombstone each, so the table does not
+grow for ever, and beyond `max_terminals_in_memory` the writer lets go of the least recently active as soon
+as a fold takes it past the cap, their tombstones in the next flush.
 A failed run (broker away, fenced) is logged and started again after a pause, from the table. On stop it
 drains what has arrived and flushes.
 """
@@ -64,6 +66,7 @@ class WriterStats:
     terminals_written: int = 0
     dead_lettered: int = 0  # labels and delta records that do not decode
     terminals_evicted: int = 0  # idle terminals deleted from the table (a tombstone each)
+    terminals_capped: int = 0  # let go beyond max_terminals_in_memory (a tombstone each, unless they return)
     failed_runs: int = 0
 
 
@@ -75,9 +78,9 @@ class TerminalTableWriter:
         # One per deployment (its group): writers of other deployments on the cluster never fence this one.
         self.transactional_id = f"{cfg.transactional_id_prefix}-terminal-table-{cfg.group_id}"
         self.stats = WriterStats()
-        self.eviction = TerminalEviction(
-            cfg.terminal_idle_days
-        )  # refuses a setting that would change features
+        # Refuses an idle time that would change features; caps what the writer holds (max_terminals_in_memory).
+        self.eviction = TerminalEviction(cfg.terminal_idle_days, cfg.max_terminals_in_memory, "writer")
+        metrics.inc("txsentinel_terminals_capped_total", 0, label="writer")  # there from the start, at 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -148,9 +151,11 @@ class TerminalTableWriter:
             )  # fmt: skip
             featurizer = StreamingFeaturizer()
             feed.start_from_table(featurizer, reader, cfg.topic("terminal_table"))
+            featurizer.terminals.row_limit = self.eviction.row_limit
             self.probes.done("table")
             flushed_at = feed.positions()
             changed: set[str] = set()
+            capped = self._cap(featurizer, set())  # let go beyond the cap since the last flush
             bad: list = []
             last_flush = time.monotonic()
             stopping = stop.is_set()
@@ -159,14 +164,16 @@ class TerminalTableWriter:
                 # Stopping: everything committed so far, this instance's last batch included, then a flush.
                 got = feed.read(to_high_watermark=stopping, timeout_s=DRAIN_TIMEOUT_S)
                 self._fold(featurizer, got, changed)
+                self._cap(featurizer, capped)  # at once, not at the flush: the fold may have brought a flood
                 bad += got.bad
                 if stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s:
                     read_to = feed.positions()
                     evicted = self.eviction.evict(featurizer.terminals)
-                    if changed or bad or evicted or read_to != flushed_at:
-                        changed.difference_update(evicted)
-                        self._flush(producer, featurizer, changed, bad, read_to, not stopping, evicted)
-                        changed, bad, flushed_at = set(), [], read_to
+                    if changed or bad or evicted or capped or read_to != flushed_at:
+                        self._flush(
+                            producer, featurizer, changed, bad, read_to, not stopping, evicted, capped
+                        )
+                        changed, capped, bad, flushed_at = set(), set(), [], read_to
                     last_flush = time.monotonic()
                 if stopping:
                     return
@@ -182,6 +189,15 @@ class TerminalTableWriter:
                 except Exception as error:  # closing the rest matters more
                     log.warning("terminal table writer: closing the %s failed error=%r", name, error)
 
+    def _cap(self, featurizer: StreamingFeaturizer, capped: set[str]) -> set[str]:
+        """Let go of the least recently active terminals beyond max_terminals_in_memory, adding them to
+        `capped` (their tombstones go in the next flush); `capped`."""
+        gone = self.eviction.cap(featurizer.terminals)
+        capped.update(gone)
+        self.stats.terminals_capped += len(gone)
+        self.metrics.inc("txsentinel_terminals_capped_total", len(gone), label="writer")
+        return capped
+
     @staticmethod
     def _fold(featurizer: StreamingFeaturizer, got: FeedRead, changed: set[str]) -> None:
         got.fold_into(featurizer)
@@ -190,19 +206,31 @@ class TerminalTableWriter:
         changed.update(label.terminal_id for label in got.labels if label.is_fraud)
 
     def _flush(
-        self, producer, featurizer, changed: set[str], bad: list, positions, paced: bool = True, evicted=()
+        self,
+        producer,
+        featurizer,
+        changed: set[str],
+        bad: list,
+        positions,
+        paced: bool = True,
+        evicted=(),
+        capped=(),
     ) -> None:
-        """ONE transaction: the dead letters, the evicted terminals' tombstones, the changed terminals, the
-        positions last. `paced`: in chunks with pauses between them (FLUSH_CHUNK); a writer that is stopping
-        flushes at once."""
+        """ONE transaction: the dead letters, the tombstones of the terminals let go (`evicted` idle,
+        `capped` beyond the cap, unless back since), the changed terminals still held, the positions last.
+        `paced`: in chunks with pauses between them (FLUSH_CHUNK); a writer that is stopping flushes at once."""
         cfg = self.cfg
         table, dead_letter = cfg.topic("terminal_table"), cfg.topic("dead_letter")
+        held = featurizer.terminals
+        # A terminal let go over the cap whose events came again since is held anew: its record, no tombstone.
+        gone = sorted({t for t in (*evicted, *capped) if t not in held})
+        changed = {t for t in changed if t in held}
         records = [(dead_letter, record.key, dead_letter_value(record, error), None) for record, error in bad]
-        records += [(table, terminal, None, 0) for terminal in sorted(evicted)]  # compaction deletes them
+        records += [(table, terminal, None, 0) for terminal in gone]  # compaction deletes them
         records += [
             (table, key, value, 0)
             for key, value in flush_records(
-                featurizer.terminals, changed, positions, cfg.topic("labels"), cfg.topic("terminal_deltas")
+                held, changed, positions, cfg.topic("labels"), cfg.topic("terminal_deltas")
             )
         ]
         producer.begin_transaction()
@@ -223,7 +251,7 @@ class TerminalTableWriter:
         log.debug(
             "terminal table flushed terminals=%d tombstones=%d dead_letters=%d",
             len(changed),
-            len(evicted),
+            len(gone),
             len(bad),
         )
 

@@ -132,3 +132,17 @@ def test_a_gauge_can_be_read_at_each_scrape():
     assert parse(metrics.render())["txsentinel_ready"] == 0
     with pytest.raises(ValueError, match="txsentinel_alerts_total is a counter, not a gauge"):
         metrics.read_from("txsentinel_alerts_total", lambda: 1.0)
+
+
+def test_a_labelled_counter_keeps_one_sample_per_label_value_added_to_or_set_alone():
+    # The embedded table writer and the scorer share their instance's metrics: neither overwrites the other.
+    metrics = Metrics()
+    metrics.inc("txsentinel_terminals_capped_total", 0, label="writer")  # there from the start
+    metrics.set("txsentinel_terminals_capped_total", 7, label="scorer")  # from the scorer's running total
+    metrics.inc("txsentinel_terminals_capped_total", 3, label="writer")
+    metrics.set("txsentinel_terminals_capped_total", 9, label="scorer")
+    text = metrics.render()
+    assert "# TYPE txsentinel_terminals_capped_total counter" in text
+    values = parse(text)
+    assert values['txsentinel_terminals_capped_total{holder="scorer"}'] == 9
+    assert values['txsentinel_terminals_capped_total{holder="writer"}'] == 3

@@ -21,6 +21,7 @@ from consumers.scoring.scorer import Scorer
 from consumers.service import batch_scoring
 from consumers.service.batch_scoring import BatchScorer
 from consumers.service.dormant import DormantStates
+from consumers.terminals.deltas import decode_deltas
 from consumers.terminals.feed import FeedRead
 from models.registry import build_detector
 from pipeline.features.definitions import FEATURE_NAMES
@@ -61,6 +62,31 @@ def test_the_feed_is_read_at_most_once_an_interval_and_what_it_brings_is_folded(
 def test_an_interval_of_zero_reads_before_every_batch():
     batches, feed, _ = batch_scorer(interval_ms=0)
     assert [batches.fold_feed() for _ in range(3)] == [(0, 1)] * 3 and len(feed.reads) == 3
+
+
+class FloodFeed:
+    """Other instances' deltas, each at 7 terminals never seen before."""
+
+    def __init__(self):
+        self.sent = 0
+
+    def read(self, session):
+        terminals = [f"flood-{self.sent + i}" for i in range(7)]
+        self.sent += len(terminals)
+        return FeedRead(deltas=[TerminalOp("events", terminals, np.full(7, 20_000, dtype=np.int64))])
+
+
+def test_what_the_feed_brings_past_the_cap_goes_as_soon_as_it_is_folded():
+    cfg = load_serve_config(
+        None, overrides={"terminal_feed_interval_ms": 0, "max_terminals_in_memory": 10}, env={}
+    )
+    featurizer = StreamingFeaturizer()
+    batches = BatchScorer(cfg, SimpleNamespace(featurizer=featurizer), FloodFeed(), "1", True, None, None)
+    held = []
+    for _ in range(5):
+        batches.fold_feed()
+        held.append(len(featurizer.terminals))
+    assert held == [7, 9, 9, 9, 9] and batches.eviction.capped == 35 - 9
 
 
 # -- what a batch writes for hostile input, with a real scorer ---------------------------------------------
@@ -164,6 +190,21 @@ def test_a_record_under_another_key_is_written_again_under_its_accounts_key_when
     assert out.records == [("p-transactions", "A1", value, None)]  # to the partition A1's key picks
     assert (out.rekeyed, out.scored, out.dead_lettered) == (1, 0, 0)
     assert out.offsets  # the original's offset is consumed with the batch
+
+
+def test_a_batch_at_more_new_terminals_than_the_cap_is_scored_whole_and_leaves_the_mark_held():
+    start = time.time_ns() // 1000 - 10 * HOUR_US
+    values = [
+        (f"A{i}".encode(), tx_value(f"E{i}", f"A{i}", start + i, terminal=f"T-{i:02d}")) for i in range(30)
+    ]
+    scorer = tiny_scorer()
+    batches = hostile_batch_scorer(scorer, max_terminals_in_memory=10)
+    out = batches.score(polled(values))
+    assert (out.scored, out.dead_lettered) == (30, 0)
+    assert len(scorer.featurizer.terminals) == 9 and batches.eviction.capped == 21
+    # The batch's delta still counts every event, for the other instances and the table writer.
+    (delta,) = [value for topic, _, value, _ in out.records if topic == "p-terminal-deltas"]
+    assert sorted(decode_deltas("test", delta).terminals) == [f"T-{i:02d}" for i in range(30)]
 
 
 def test_carefully_the_event_that_fails_alone_is_dead_lettered_and_the_rest_goes_on_as_if_it_never_came():

@@ -166,7 +166,9 @@ def scripted_loop(polls, commits=()):
         producer.log.append("rewound " + events(batch))
         rewinds.append((batch, list(revoked)))
 
-    service.batches = SimpleNamespace(score=score, fold_feed=lambda: (0, 0))
+    service.batches = SimpleNamespace(
+        score=score, fold_feed=lambda: (0, 0), eviction=SimpleNamespace(capped=0)
+    )
     service._rewind = rewind
     service._rejoin = lambda: producer.log.append("rejoined")
     return service, producer.log, rewinds, stop

@@ -1,0 +1,168 @@
+"""The cap on terminals held (consumers/terminals/idle.py): over max_terminals_in_memory the least recently
+active go at once, down to the mark; under it nothing goes between scans; it is never silent; and the table
+writer deletes what it lets go with tombstones. A scorer's batches: tests/consumers/service/test_batch_scoring.py;
+the whole service: tests/integration/test_service_labels.py."""
+
+import logging
+import re
+
+import numpy as np
+import pytest
+
+from consumers.runtime.metrics import Metrics
+from consumers.runtime.settings import load_serve_config
+from consumers.terminals.idle import CAP_LOG_EVERY_S, TerminalEviction
+from consumers.terminals.table import POSITIONS_KEY, Positions
+from consumers.terminals.writer import TerminalTableWriter
+from pipeline.features.definitions import RING_DAYS
+from pipeline.features.stream import StreamingFeaturizer
+from tests.consumers.terminals.test_idle import DAY0, events, fraud, history
+from tests.consumers.terminals.test_writer import ScriptedProducer
+
+
+def busy_days(days: dict[str, int], order: list[str] | None = None) -> StreamingFeaturizer:
+    """One event at each terminal, on its day (after DAY0), in `order` (default: the dict's)."""
+    featurizer = StreamingFeaturizer()
+    for terminal in order or list(days):
+        featurizer.transform(events([terminal], [days[terminal]]))
+    return featurizer
+
+
+def test_over_the_cap_the_least_recently_active_go_first_down_to_the_mark():
+    # T-00 .. T-10 last active on days 0 .. 10, but T-00 was reported on day 50: it was active most recently.
+    featurizer = busy_days({f"T-{d:02d}": d for d in range(11)})
+    featurizer.transform(events(["T-late"], [50]), fraud("T-00", 50))
+    table = featurizer.terminals
+    eviction = TerminalEviction(90, max_terminals=10)  # 12 held: over; the mark is 9
+    gone = eviction.cap(table, now=0.0)
+    assert gone == ["T-01", "T-02", "T-03"]
+    assert sorted(table) == ["T-00", *(f"T-{d:02d}" for d in range(4, 11)), "T-late"]
+    assert len(table) == eviction.keep == 9 and eviction.capped == 3
+
+
+def test_ties_on_the_day_at_the_mark_go_by_terminal_id_whatever_order_they_came_in():
+    days = {
+        "T-c": 1,
+        "T-a": 1,
+        "T-d": 1,
+        "T-b": 1,
+        "T-old": 0,
+        "T-x": 2,
+        "T-y": 2,
+        "T-z": 2,
+        "T-w": 2,
+        "T-v": 2,
+    }
+    kept = []
+    for order in (list(days), sorted(days), sorted(days, reverse=True)):
+        table = busy_days(days, order).terminals
+        gone = TerminalEviction(90, max_terminals=8).cap(table, now=0.0)  # 10 held, the mark is 8
+        assert sorted(gone) == ["T-a", "T-old"]  # day 0, then the first of day 1 by id
+        kept.append(sorted(table))
+    assert kept[0] == kept[1] == kept[2]
+
+
+def test_under_the_cap_nothing_goes_between_scans_and_the_mark_leaves_room_for_new_terminals():
+    featurizer = busy_days({f"T-{d:02d}": d for d in range(11)})
+    eviction = TerminalEviction(90, max_terminals=10, every_s=3600)
+    eviction.evict(featurizer.terminals, now=0.0)  # the idle scan (none idle), not due again for an hour
+    assert eviction.cap(featurizer.terminals, now=1.0) == ["T-00", "T-01"]  # 11 -> 9
+    featurizer.transform(events(["T-new1"], [20]))  # 10 held: at the cap, not over it
+    assert eviction.cap(featurizer.terminals, now=2.0) == [] == eviction.evict(featurizer.terminals, now=2.0)
+    assert len(featurizer.terminals) == 10
+    featurizer.transform(events(["T-new2"], [21]))  # over: back to the mark
+    assert eviction.cap(featurizer.terminals, now=3.0) == ["T-02", "T-03"]
+    assert len(featurizer.terminals) == 9 and eviction.capped == 4
+
+
+def test_the_idle_rule_still_works_beside_the_cap_and_a_cap_of_zero_keeps_everything():
+    table = history().terminals
+    eviction = TerminalEviction(90, max_terminals=100)
+    assert eviction.cap(table) == [] and eviction.evict(table) == ["T-old"] and eviction.capped == 0
+    table = history().terminals
+    assert TerminalEviction(90, max_terminals=0).cap(table) == [] and len(table) == 3
+    assert TerminalEviction(90, max_terminals=0).row_limit is None
+
+
+def test_letting_go_over_the_cap_is_an_error_the_first_time_then_at_most_once_a_minute(caplog):
+    featurizer = busy_days({f"T-{d:02d}": d for d in range(11)})
+    eviction = TerminalEviction(90, max_terminals=10, holder="scorer")
+    with caplog.at_level(logging.ERROR, logger="consumers.terminals.idle"):
+        eviction.cap(featurizer.terminals, now=100.0)
+        (first,) = caplog.messages
+        assert "holder=scorer max_terminals_in_memory=10 let_go=2 since_start=2" in first
+        # T-01 was the most recently active of those let go: day 1, 9 days before the newest (T-10's).
+        assert "newest_let_go_active=2024-10-05 days_before_newest_held=9" in first
+        assert "Raise max_terminals_in_memory" in first and "so many new terminal ids" in first
+        featurizer.transform(events(["T-a", "T-b"], [30, 30]))
+        eviction.cap(featurizer.terminals, now=100.0 + CAP_LOG_EVERY_S / 2)  # 11 -> 9 again: not logged yet
+        eviction.cap(featurizer.terminals, now=100.0 + CAP_LOG_EVERY_S / 2 + 1)  # nothing new, not due
+        assert len(caplog.messages) == 1 and eviction.capped == 4
+        eviction.cap(featurizer.terminals, now=100.0 + CAP_LOG_EVERY_S)  # due: what went since the first
+        assert len(caplog.messages) == 2
+        assert "let_go=2 since_start=4 newest_let_go_active=2024-10-07" in caplog.messages[1]
+        eviction.cap(featurizer.terminals, now=1_000.0)  # nothing went since: nothing to say
+        assert len(caplog.messages) == 2
+    assert all(record.levelno == logging.ERROR for record in caplog.records)
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "lots"])
+def test_a_cap_that_is_not_a_count_is_refused_naming_the_setting(value):
+    with pytest.raises(
+        ValueError, match=re.escape(f"max_terminals_in_memory = {value!r}, expected an integer >= 0")
+    ):
+        load_serve_config(None, overrides={"max_terminals_in_memory": value}, env={})
+
+
+def test_the_default_cap_and_what_memory_holds_for_it():
+    cfg = load_serve_config(None, env={})
+    eviction = TerminalEviction(cfg.terminal_idle_days, cfg.max_terminals_in_memory)
+    assert (eviction.max_terminals, eviction.keep, eviction.row_limit) == (5_000_000, 4_500_000, 5_500_000)
+
+
+def test_the_writer_lets_go_over_the_cap_at_once_and_deletes_them_with_tombstones_unless_they_came_back():
+    cfg = load_serve_config(
+        None, overrides={"topic_prefix": "p-", "group_id": "g", "max_terminals_in_memory": 2}, env={}
+    )
+    metrics = Metrics()
+    writer = TerminalTableWriter(cfg, "unused:9092", metrics)
+    featurizer = history()  # T-old (last active day 5), T-reported (day 80), T-busy (day 100)
+    featurizer.transform(events(["T-new"], [100]))  # 4 held, the cap is 2: two go, T-old first
+    capped = writer._cap(featurizer, set())
+    assert capped == {"T-old", "T-reported"} and sorted(featurizer.terminals) == ["T-busy", "T-new"]
+    assert writer.stats.terminals_capped == 2
+    assert 'txsentinel_terminals_capped_total{holder="writer"} 2.0' in metrics.render()
+    featurizer.transform(events(["T-reported"], [101]))  # back, with only its new event
+    writer._cap(featurizer, capped)  # over again: T-busy (day 100) goes
+    assert capped == {"T-old", "T-reported", "T-busy"} and sorted(featurizer.terminals) == [
+        "T-new",
+        "T-reported",
+    ]
+
+    producer = ScriptedProducer()
+    writer._flush(
+        producer, featurizer, {"T-busy", "T-reported"}, [], Positions(labels={0: 3}), True, (), capped
+    )
+    sends = [(entry[1], entry[2], entry[3]) for entry in producer.log if entry[0] == "send"]
+    assert [(key, value is None) for _, key, value in sends] == [
+        ("T-busy", True), ("T-old", True), ("T-reported", False), (POSITIONS_KEY, False)
+    ]  # fmt: skip
+    assert {topic for topic, _, _ in sends} == {"p-terminal-risk-table"}
+    assert writer.stats.terminals_written == 1 and writer.stats.terminals_evicted == 0
+    assert featurizer.terminals.records["max_day"][featurizer.terminals.slot_of["T-reported"]] == DAY0 + 101
+    assert np.array_equal(
+        featurizer.terminals.records["report_day"][featurizer.terminals.slot_of["T-reported"]],
+        np.full(RING_DAYS, -1),
+    )  # its report on day 80 went with it: the cap changes features
+
+
+def test_a_flood_of_new_terminals_grows_the_records_to_the_row_limit_and_no_further():
+    featurizer = StreamingFeaturizer()
+    eviction = TerminalEviction(90, max_terminals=1_000)
+    featurizer.terminals.row_limit = eviction.row_limit  # as every holder sets it on the table it folds into
+    for start in range(0, 5_000, 50):
+        featurizer.transform(events([f"flood-{i}" for i in range(start, start + 50)], [0] * 50))
+        eviction.cap(featurizer.terminals, now=0.0)
+        assert len(featurizer.terminals) <= 1_000
+    assert len(featurizer.terminals.records) == eviction.row_limit == 1_100  # doubling would have made 2,048
+    assert eviction.capped == 5_000 - len(featurizer.terminals)
