@@ -1,6 +1,7 @@
 """Labels and the global terminal-risk table against the real broker: labels change the terminal features
 exactly as `Scorer.replay` applies them, the table (with its label positions) survives a restart, bad
-labels go to dead-letter, and two instances on different partitions count every event at its terminal.
+labels go to dead-letter, two instances on different partitions count every event at its terminal, and a
+flood of new terminal ids leaves the scorer and the table writer within max_terminals_in_memory.
 
 Score parity uses one transactions partition (see test_service.py): terminal features depend on the global
 order of events, which one partition makes the topic's order. The two-instance test checks the terminal
@@ -10,9 +11,12 @@ STATE, which is order-free, and the scores of a later instance that starts from 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,7 +51,7 @@ from tests.integration.service_helpers import (
     wait_for_metric,
     wait_for_scores,
 )
-from tests.integration.service_runs import serve_until, wait_for_stable_group, wait_until
+from tests.integration.service_runs import committed_count, serve_until, wait_for_stable_group, wait_until
 
 # The same fixtures as test_service.py: its history, its tiny model, its per-test topic prefix.
 frame, model_dir, service_cfg = test_service.frame, test_service.model_dir, test_service.service_cfg
@@ -55,6 +59,8 @@ frame, model_dir, service_cfg = test_service.frame, test_service.model_dir, test
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(180)]
 
 TOLERANCE = 1e-5
+HOUR_US = 3_600_000_000
+DAY_US = 24 * HOUR_US
 
 
 def with_labels(history: pl.DataFrame, split: int) -> tuple[pl.DataFrame, list[Label]]:
@@ -261,6 +267,76 @@ def test_an_external_table_writer_keeps_the_table_when_no_instance_runs_one(
     for batch, _ in replay_batches(frame, 500):  # no labels were streamed
         reference.transform(batch)
     assert terminal_bytes(terminals) == terminal_bytes(reference.terminals) and positions.deltas
+
+
+def test_a_flood_of_new_terminal_ids_keeps_every_holder_within_the_cap_and_every_event_is_scored(
+    kafka_bootstrap, service_cfg, model_dir, caplog
+):
+    """Forty terminals in the table, then a flood of valid events each at a terminal never seen: after
+    every batch the scorer holds at most the cap, the table writer lets the least recently active go (the
+    forty first) and deletes them with tombstones, both say so, and every event is scored."""
+    cap, port = 50, free_port()
+    cfg = service_cfg(
+        max_terminals_in_memory=cap, terminal_table_flush_s=0.5, metrics_port=port, metrics_host="127.0.0.1"
+    )
+    now_us = time.time_ns() // 1000
+    early = [
+        Transaction(
+            f"early-{i}", f"early-account-{i % 5}", now_us - 2 * DAY_US + i, 20.0, f"early-terminal-{i}"
+        )
+        for i in range(40)
+    ]  # two days before the flood: the least recently active
+    flood = [
+        Transaction(f"flood-{i}", f"flood-account-{i % 17}", now_us - HOUR_US + i, 10.0 + i % 7, f"flood-{i}")
+        for i in range(400)
+    ]
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
+    held = []  # the scorer's terminals, as its gauge says after each part of the flood
+
+    def scored(events: list[Transaction], running: Running, total: int) -> None:
+        produce(
+            kafka_bootstrap,
+            cfg.topic("transactions"),
+            [(t.account_id, encode_transaction(t)) for t in events],
+        )
+        wait_until(
+            lambda: committed_count(kafka_bootstrap, cfg.topic("scores")) >= total,
+            f"{total} scores",
+            60,
+            running,
+        )
+
+    with caplog.at_level(logging.ERROR, logger="consumers.terminals.idle"):
+        running = Running(cfg, model_dir, kafka_bootstrap)
+        scored(early, running, len(early))
+        wait_until(
+            lambda: len(table_of(kafka_bootstrap, cfg)[0]) == len(early),
+            "the table writer flushed",
+            30,
+            running,
+        )
+        for part in range(0, len(flood), 50):
+            scored(flood[part : part + 50], running, len(early) + part + 50)
+            held.append(scrape(port, "txsentinel_terminals_in_memory"))
+        capped = scrape(port, 'txsentinel_terminals_capped_total{holder="scorer"}')
+        stats = running.stop()  # the writer drains and flushes on the way out
+    scores = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("scores"))]
+
+    assert_exactly_once(scores, early + flood)
+    assert all(math.isfinite(s["score"]) for s in scores) and stats.dead_lettered == 0
+    assert max(held) <= cap and min(held[1:]) >= math.ceil(0.9 * cap), held
+    assert 0 < capped <= stats.terminals_capped and stats.terminals_capped >= len(early + flood) - cap
+    terminals, _ = table_of(kafka_bootstrap, cfg)
+    assert 0 < len(terminals) <= cap and not any(t.startswith("early-") for t in terminals)
+    tombstones = {
+        r.key.decode()
+        for r in read_committed(kafka_bootstrap, cfg.topic("terminal_table"))
+        if r.value is None
+    }
+    assert {t.terminal_id for t in early} <= tombstones
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    for holder in ("scorer", "writer"):
+        assert any(f"holder={holder} max_terminals_in_memory={cap}" in e for e in errors), (holder, errors)
 
 
 @pytest.mark.timeout(300)
