@@ -407,6 +407,7 @@ class StreamingFeaturizer:
 
     @staticmethod
     def _fraud_labels(labels: LabelBatch | None) -> "_FraudLabels | None":
+        """The batch's fraud labels (the others change no state); None when it has none."""
         if labels is None or len(labels.terminal_ids) == 0:
             return None
         mask = np.asarray(labels.is_fraud, dtype=bool)
