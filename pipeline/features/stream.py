@@ -12,8 +12,10 @@ the events whose feature row is not finite before anything is folded, so they ch
 
 Events are applied in arrival order. A late event (older day than its account or terminal has seen) has its
 windows end at the newest day seen, and its gap is clipped to 0; the next event's gap runs from the newest
-event seen, not from the late one. In time order — what the batch form and a replay see — this never
-happens and both forms agree exactly.
+event seen, not from the late one; and it is counted on its own day, in the state and in the windows of the
+events after it in its batch (_late_in_batch) alike, so a payment dated years back never reads as today's,
+and no feature depends on how the stream is cut into batches. In time order — what the batch form and a
+replay see — no event is late and both forms agree exactly.
 
 Terminal state is ORDER-FREE: each event is counted at its terminal on its own day (a ring bucket keeps its
 newest day), each reported event once, on the earliest day it was labelled (a repeated label finds it among
@@ -146,6 +148,30 @@ def _in_batch_windows(
         count = position - start + 1
         total = None if running is None else running - running[start] + values[start]
         out[d] = (count, total)
+    return out
+
+
+def _late_in_batch(
+    codes: np.ndarray, days: np.ndarray, day_eff: np.ndarray, values: np.ndarray | None
+) -> dict[int, tuple[np.ndarray, np.ndarray | None]] | None:
+    """What _in_batch_windows counts that it should not: it counts each earlier event of the batch on its
+    entity's newest day so far (its key), where the state folds a late event on its own day. For each window
+    d, per event (all [N] in `order`, as codes, days, day_eff and values are): the count and sum of values of
+    the earlier late events of its entity whose key falls in its window and whose own day does not. None when
+    no event of the batch came late (the common case: nothing to take back).
+
+    Few events come late: a [N, L] comparison against the L late ones. An event's own count always includes
+    itself, late or not, as the batch form's windows do."""
+    late = np.flatnonzero(days < day_eff)
+    if not late.size:
+        return None
+    earlier = (late[None, :] < np.arange(len(days))[:, None]) & (codes[late][None, :] == codes[:, None])
+    out = {}
+    for d in WINDOW_DAYS:
+        start = day_eff[:, None] - d  # [N, 1]: the window holds the days after it
+        wrong = earlier & (day_eff[late][None, :] > start) & (days[late][None, :] <= start)  # [N, L]
+        total = None if values is None else np.where(wrong, values[late][None, :], 0.0).sum(axis=1)
+        out[d] = (wrong.sum(axis=1), total)
     return out
 
 
@@ -283,8 +309,11 @@ class StreamingFeaturizer:
         out["terminal_seen"] = (seen_state.astype(bool) | repeat).astype(np.int64)
 
         in_batch = _in_batch_windows(key, amounts[order], first_in_group)
+        late = _late_in_batch(codes[order], days[order], day_eff[order], amounts[order])
         in_state = ring_window_sums(rec, slots, day_eff, ("day_count", "day_amount"), "day")
         for d, (count, total) in in_batch.items():
+            if late is not None:
+                count, total = count - late[d][0], total - late[d][1]
             c = np.empty(n, dtype=np.int64)
             s = np.empty(n)
             c[order], s[order] = count, total
@@ -304,7 +333,9 @@ class StreamingFeaturizer:
             rec["last_ts_us"][group_slots] = newest[last_idx]
             rec["max_day"][group_slots] = day_eff[last_idx]
             np.bitwise_or.at(rec["seen_terminals"], (slots, bits // 8), (1 << (bits % 8)).astype(np.uint8))
-            self._fold_days(rec, slots, day_eff, {"day_count": np.ones(n), "day_amount": amounts}, "day")
+            # On its own day, as the terminals: a late event lands in its day's bucket, or nowhere if that
+            # bucket has moved on to a day >= RING_DAYS newer (outside every window that could count it).
+            self._fold_days(rec, slots, days, {"day_count": np.ones(n), "day_amount": amounts}, "day")
 
         return out, fold
 
@@ -313,14 +344,15 @@ class StreamingFeaturizer:
         table = self.terminals
         fraud = self._fraud_labels(labels)
         label_slots = table.slots(fraud.terminals) if fraud is not None else None
-        slots, _, order, key, day_eff = _entity_batch(table, terminal_ids, days)
+        slots, codes, order, key, day_eff = _entity_batch(table, terminal_ids, days)
         rec = table.records  # only now: creating records for new terminals may have grown the array
 
         out: dict[str, np.ndarray] = {}
         counts_in_state = ring_window_sums(rec, slots, day_eff, ("day_count",), "day")
+        late = _late_in_batch(codes[order], days[order], day_eff[order], None)
         for d, (count, _) in _in_batch_windows(key, None, None).items():
             c = np.empty(n, dtype=np.int64)
-            c[order] = count
+            c[order] = count if late is None else count - late[d][0]
             out[f"terminal_count_{d}d"] = c + counts_in_state[d][0]
 
         reports_in_state = ring_window_sums(rec, slots, day_eff, ("report_count",), "report_day")

@@ -31,6 +31,7 @@ from pipeline.features.definitions import (
     feature_matrix,
 )
 from pipeline.features.stream import grouped_cumsum
+from pipeline.features.stream_batches import take_events
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday
 
@@ -439,6 +440,54 @@ def test_late_event_in_the_stream_is_featurized_without_going_back_in_time():
     raw = featurizer.raw_aggregates(EventBatch(["a"] * 3, ["t"] * 3, ts, np.array([1.0, 2.0, 3.0])))
     assert raw["gap_s"].tolist() == [0.0, 2 * 86400.0, 0.0]  # clipped, not negative
     assert raw["account_count_1d"].tolist() == [1, 1, 2]  # its window ends on the newest day seen
+
+
+@pytest.mark.parametrize("batches", [[4], [1, 1, 1, 1], [2, 2], [3, 1]])
+def test_a_late_event_counts_on_its_own_day_in_later_events_windows(batches):
+    # Days 10 and 12, then one from day 2 for a million, then day 13: the day-13 event's 7-day windows (days
+    # 7..13) hold days 10 and 12 and itself, not day 2, however the four are cut into batches; its 30-day
+    # windows hold all four. At its account and at its terminal alike.
+    ts = np.array([10, 12, 2, 13]) * DAY_US
+    amounts = np.array([1.0, 2.0, 1e6, 3.0])
+    featurizer, rows, start = StreamingFeaturizer(), [], 0
+    for size in batches:
+        part = slice(start, start + size)
+        rows.append(
+            featurizer.raw_aggregates(EventBatch(["a"] * size, ["t"] * size, ts[part], amounts[part]))
+        )
+        start += size
+    last = {name: np.concatenate([r[name] for r in rows])[-1] for name in rows[0]}
+    assert last["account_count_7d"] == 3 and last["account_amount_7d"] == 6.0
+    assert last["account_count_30d"] == 4 and last["account_amount_30d"] == 1e6 + 6.0
+    assert last["terminal_count_7d"] == 3 and last["terminal_count_30d"] == 4
+
+
+def test_features_do_not_depend_on_how_a_stream_with_late_events_is_cut_into_batches(generated):
+    """One event in twenty arrives up to a few days late: every batching gives the features of events one
+    at a time (no in-batch windows at all), so the service's features never depend on how polls fall."""
+    frame = generated.head(6_000)
+    rng = np.random.default_rng(3)
+    arrival = np.arange(frame.height, dtype=np.float64)
+    delayed = rng.random(frame.height) < 0.05
+    arrival[delayed] += rng.integers(50, 3_000, int(delayed.sum()))
+    rows = frame[np.argsort(arrival, kind="stable")]
+    ts = rows["ts"].dt.epoch("us").to_numpy()
+    assert (ts < np.maximum.accumulate(ts)).sum() > 200  # late events, many days behind some of them
+    events = EventBatch(
+        rows["account_id"].to_list(), rows["terminal_id"].to_list(), ts, rows["amount"].to_numpy()
+    )
+
+    def featurized(batch_events: int) -> np.ndarray:
+        featurizer = StreamingFeaturizer()
+        parts = [
+            featurizer.transform(take_events(events, np.arange(i, min(i + batch_events, len(ts)))))[0]
+            for i in range(0, len(ts), batch_events)
+        ]
+        return np.concatenate(parts)
+
+    one_at_a_time = featurized(1)
+    for batch_events in (64, 500):
+        np.testing.assert_allclose(featurized(batch_events), one_at_a_time, rtol=1e-12, atol=1e-9)
 
 
 @pytest.mark.parametrize("batches", [[2, 1, 1], [4], [1, 3]], ids=["one a batch", "one batch", "late first"])
