@@ -19,6 +19,15 @@ LATEST = datetime(2100, 1, 1, tzinfo=UTC)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 DAY_US = 86_400_000_000
 LATEST_US = (LATEST - _EPOCH) // datetime.resolution
+# A timestamp string, whole (the schemas anchor it; parse_ts matches it in full): RFC 3339's date-time (the
+# schemas' "format"), a space allowed for the T, a decimal comma for the point, a fraction of up to 9 digits
+# (kept to the microsecond) and an offset with or without its colon. What datetime.fromisoformat takes beyond
+# that (any character as the separator, an offset of hours only, whatever follows a NUL) is not a time a
+# producer means to send.
+ISO_TS_PATTERN = (
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}([.,][0-9]{1,9})?([Zz]|[+-][0-9]{2}:?[0-9]{2})"
+)
+_ISO_TS = re.compile(ISO_TS_PATTERN)
 _SHOWN_CHARS = 80  # of a bad value, in a reason: enough to find it, never the whole 64 KiB
 
 UNKNOWN_FIELDS = ("ignore", "refuse")
@@ -147,15 +156,17 @@ def parse_ts(value: object, field: str, limits=None, now: int | None = None) -> 
             f"field {field!r}: expected an ISO-8601 timestamp string, got {type(value).__name__} (epoch "
             "milliseconds are read with the setting timestamp_format = epoch_ms)"
         )
-    try:
-        parsed = datetime.fromisoformat(value)
-        if parsed.tzinfo is None:
+    if not _ISO_TS.fullmatch(value):
+        if _ISO_TS.fullmatch(value + "Z"):
             raise MessageError(f"field {field!r}: {show(value)} has no UTC offset; add 'Z' or '+00:00'")
-        delta = parsed - _EPOCH  # aware: any offset, in UTC
-    except (ValueError, OverflowError) as error:
-        if isinstance(error, MessageError):
-            raise
-        raise MessageError(f"field {field!r}: {show(value)} is not an ISO-8601 timestamp") from None
+        raise MessageError(
+            f"field {field!r}: {show(value)} is not an ISO-8601 timestamp with a UTC offset (expected "
+            "YYYY-MM-DDTHH:MM:SS, an optional fraction, then Z or +HH:MM, e.g. 2026-03-01T12:00:00.250Z)"
+        )
+    try:
+        delta = datetime.fromisoformat(value.upper()) - _EPOCH  # aware: any offset, in UTC; 't', 'z' allowed
+    except (ValueError, OverflowError):  # a month 13, a 25th hour, a leap second
+        raise MessageError(f"field {field!r}: {show(value)} is not a valid date and time") from None
     return _bounded(
         (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds, value, field, limits, now
     )

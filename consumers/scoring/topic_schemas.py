@@ -11,7 +11,7 @@ of the instance's clock.
 import json
 from pathlib import Path
 
-from consumers.scoring.message_limits import LATEST_US, MessageLimits
+from consumers.scoring.message_limits import ISO_TS_PATTERN, LATEST_US, MessageLimits
 from consumers.scoring.messages import LABEL_FIELDS, OPTIONAL_TRANSACTION_FIELDS, TRANSACTION_FIELDS
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "schemas"
@@ -43,7 +43,7 @@ def _ts(limits: MessageLimits, what: str) -> dict:
     return {
         "type": "string",
         "format": "date-time",
-        "pattern": r"(Z|z|[+-]\d\d:?\d\d)$",
+        "pattern": f"^{ISO_TS_PATTERN}$",
         "description": f"{what}: ISO-8601 with a UTC offset or Z (timestamp_format = iso8601), not before "
         f"earliest_ts = {limits.earliest_ts}, before 2100 and at most max_ts_skew_s = "
         f"{limits.max_ts_skew_s:g} s after the reading instance's clock",

@@ -71,6 +71,37 @@ def test_bad_transactions_are_refused_with_a_reason(raw, reason):
     assert reason in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2026-03-01T12:00:00Z\u0000 and anything after a NUL",  # fromisoformat stops reading at the NUL
+        "2026-03-01\u000012:00:00Z",  # any character as the separator
+        "2026-03-01\U0001f4a312:00:00Z",
+        "2026-03-01T12:00:00+00",  # an offset of hours only
+        "2026-03-01T12:00:00.Z",
+        "2026-03-01T12:00Z",  # no seconds
+        "20260301T120000Z",  # the basic format: not RFC 3339, the schemas' date-time
+        "2026-03-01T12:00:00\u0661Z",  # a digit of another script
+    ],
+)
+def test_a_timestamp_is_the_documented_form_whole_or_is_refused(text):
+    with pytest.raises(MessageError, match="is not an ISO-8601 timestamp with a UTC offset"):
+        parse_ts(text, "ts", now=NOW_US)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2026-03-01t12:00:00z", "2026-03-01T12:00:00.000000Z"),  # RFC 3339 allows lower case
+        ("2026-03-01 12:00:00Z", "2026-03-01T12:00:00.000000Z"),
+        ("2026-03-01T12:00:00,25+0100", "2026-03-01T11:00:00.250000Z"),
+        ("2026-03-01T12:00:00.123456789Z", "2026-03-01T12:00:00.123456Z"),  # kept to the microsecond
+    ],
+)
+def test_every_form_of_the_documented_timestamp_is_read(text, expected):
+    assert format_ts(parse_ts(text, "ts", now=NOW_US)) == expected
+
+
 def test_label_needs_a_boolean_verdict():
     data = {
         "event_id": "E1",
