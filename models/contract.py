@@ -157,6 +157,13 @@ class RecurrentDetector(nn.Module):
         return scores
 
     @property
+    def score_has_gradient(self) -> bool:
+        """Whether a score's gradient with respect to the inputs means something: models/attribution.py
+        then splits it by integrated gradients, else by moving one input at a time. True for a network; a
+        detector whose score is piecewise constant in its inputs (trees) says False."""
+        return True
+
+    @property
     def state_dtype(self) -> torch.dtype:
         """Float dtype of the serving state: the weights' dtype, never below float32."""
         dtype = next(self.parameters()).dtype

@@ -72,6 +72,11 @@ class HybridDetector(RecurrentDetector):
         self.head.load_arrays(arrays)
         self.fitted.fill_(True)
 
+    @property
+    def score_has_gradient(self) -> bool:
+        # fitted trees are piecewise constant, and run without autograd: no gradient to integrate
+        return not bool(self.fitted)
+
     def _score(self, x: Tensor, base_score: Tensor) -> Tensor:
         # x [..., F + 1] (numeric features, terminal bucket), base_score [...] -> [...]
         if not bool(self.fitted):

@@ -75,3 +75,27 @@ def test_refuses_a_detector_in_training_mode():
     x, state = random_events(detector, 1, 1, seed=0)[:, 0], detector.init_state(1)
     with pytest.raises(ValueError, match="eval mode"):
         attribute(detector, x, state)
+
+
+def test_a_fitted_hybrid_whose_trees_have_no_gradient_is_split_one_input_at_a_time():
+    from tests.models.test_hybrid import fitted_hybrid  # trees fitted over a tiny base's scores
+
+    hybrid = fitted_hybrid()
+    assert not hybrid.score_has_gradient
+    x, state = _events_and_states(hybrid)
+    with torch.inference_mode():  # as the scorer calls it
+        a = attribute(hybrid, x, state)
+        logit, _ = hybrid.step(x, state)
+        at_mean, _ = hybrid.step(torch.where(torch.arange(x.shape[1]) < x.shape[1] - 1, 0.0, x), state)
+    torch.testing.assert_close(a.base + a.history + a.inputs.sum(-1) + a.residual, logit, atol=1e-9, rtol=0)
+    torch.testing.assert_close(a.logit, logit, atol=1e-9, rtol=0)
+    assert a.inputs.abs().max() > 1e-3  # the trees split on the inputs: they get shares, not all zeros
+    # feature 0 is the one the trees were fitted to read: an event with it alone moved gives it everything
+    only = torch.zeros_like(x)
+    only[:, 0], only[:, -1] = torch.tensor([3.0, -3.0, 0.5, 6.0]), x[:, -1]
+    b = attribute(hybrid, only, state)
+    assert torch.equal(b.inputs[:, 1:], torch.zeros_like(b.inputs[:, 1:]))  # at the mean: exactly nothing
+    with torch.no_grad():
+        moved, _ = hybrid.step(only, state)
+    torch.testing.assert_close(b.inputs[:, 0], moved - at_mean, atol=1e-9, rtol=0)
+    torch.testing.assert_close(b.residual, torch.zeros_like(b.residual), atol=1e-9, rtol=0)
