@@ -158,6 +158,10 @@ METRICS = {
         "counter",
         "Events stopped before they changed a state because their feature row was not finite (dead-lettered).",
     ),
+    "txsentinel_alert_reasons_failed_total": (
+        "counter",
+        "Alerts sent without their reasons because explaining them raised (scored and alerted all the same).",
+    ),
     "txsentinel_model_info": (
         "info",
         "The model this instance serves: registered name and version, detector, feature version, source URI.",

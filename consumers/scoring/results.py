@@ -50,6 +50,7 @@ class ScorerStats:
     replays_dropped: int = 0  # an event_id its account had applied already, at another offset
     not_finite: int = 0  # events whose feature row was not finite
     out_of_order: int = 0
+    reasons_failed: int = 0  # alerts that went out without reasons: explaining them raised
     featurize_s: float = 0.0  # streaming featurizer
     detector_s: float = 0.0  # gather, step and scatter, all rounds
     explain_s: float = 0.0  # the alerts' reasons: state snapshots and attribution

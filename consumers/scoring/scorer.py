@@ -16,7 +16,8 @@ Per micro-batch (one Kafka poll, or one slice of a replayed history), in arrival
   6. bookkeeping: each account's last applied position, newest ts and recent event ids, the set of changed
      accounts;
   7. reasons for the alerts (explain.py): each alerted event's logit attributed with its account's state
-     before the event held fixed, from a copy of the batch's states taken before step 5;
+     before the event held fixed, from a copy of the batch's states taken before step 5. Should that raise,
+     the alerts go out without reasons, counted (stats.reasons_failed) and logged: never a rejected event;
   8. with a shadow challenger (shadow.py), its detector steps the same feature rows from its own states,
      and its rows copy the champion's bookkeeping.
 Rejected events come back with the reason (score_batch), for the service's dead-letter topic. The backtest
@@ -34,6 +35,7 @@ half-applied: treat it as a crash and restore those accounts from the changelog,
 taken before (checkpoint, rollback).
 """
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,7 +44,7 @@ import torch
 
 from consumers.scoring.account_state import RECENT_EVENT_IDS, model_fingerprint
 from consumers.scoring.applied_events import not_yet_applied, replayed
-from consumers.scoring.explain import AlertExplainer
+from consumers.scoring.explain import AlertExplainer, Snapshot
 from consumers.scoring.held_accounts import HeldAccounts
 from consumers.scoring.history_replay import HistoryReplay
 from consumers.scoring.messages import Transaction
@@ -50,9 +52,13 @@ from consumers.scoring.results import Rejected, Scored, ScoredArrays, ScoreRecor
 from consumers.scoring.shadow import ShadowModel
 from consumers.scoring.state_store import StateStore, rounds_of
 from pipeline.features.definitions import DAY_US
+from pipeline.features.reasons import Explanation
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, LabelBatch, event_id_hashes, take_events
 from pipeline.registry.artifact import DEFAULT_THRESHOLD, LoadedModel
+
+log = logging.getLogger(__name__)
+REASONS_LOG_EVERY_S = 60.0  # a failure to explain alerts is logged at most this often (the first at once)
 
 
 class Scorer(HeldAccounts, HistoryReplay):
@@ -97,6 +103,7 @@ class Scorer(HeldAccounts, HistoryReplay):
         self.model_fingerprint = model_fingerprint(detector)
         self.stats = ScorerStats()
         self.explainer = AlertExplainer(self.detector, reasons) if reasons else None
+        self._reasons_log_at = 0.0  # time.monotonic() from which a failure to explain is logged again
         self._x_dtype = weights
         self._changed: set[str] = set()
         self.shadow = None if shadow is None else ShadowModel(shadow, spec)
@@ -280,10 +287,7 @@ class Scorer(HeldAccounts, HistoryReplay):
                     self.on_scored(features, score, ts_us)
                 if explainer is not None:
                     t = time.perf_counter()
-                    alerts = np.flatnonzero(score >= self.threshold)
-                    reasons = explainer.explain(
-                        snapshot, rows[applied], torch.from_numpy(x), features, alerts
-                    )
+                    reasons = self._explain(snapshot, rows[applied], x, features, score)
                     self.stats.explain_s += time.perf_counter() - t
                 if hashes is not None:
                     self.store.remember_ids(rows[applied], hashes[applied])
@@ -311,6 +315,28 @@ class Scorer(HeldAccounts, HistoryReplay):
         self.stats.out_of_order += int(out.out_of_order.sum())
         self.stats.total_s += time.perf_counter() - started
         return out
+
+    def _explain(
+        self, snapshot: Snapshot, rows: np.ndarray, x: np.ndarray, features: np.ndarray, score: np.ndarray
+    ) -> dict[int, Explanation]:
+        # The alerts' reasons; should explaining them raise, the alerts go out without (counted, logged at
+        # most every REASONS_LOG_EVERY_S): a reason is worth less than the alert, and the events are scored
+        # and applied already (the explainer steps copies of their states only).
+        alerts = np.flatnonzero(score >= self.threshold)
+        try:
+            return self.explainer.explain(snapshot, rows, torch.from_numpy(x), features, alerts)
+        except Exception as error:
+            self.stats.reasons_failed += len(alerts)
+            now = time.monotonic()
+            if now >= self._reasons_log_at:
+                self._reasons_log_at = now + REASONS_LOG_EVERY_S
+                log.error(
+                    "alert reasons: explaining %d alerts of %s raised; they go out without reasons "
+                    "(%d so far; this message at most every %.0f s) error=%r",
+                    len(alerts), self.detector.name, self.stats.reasons_failed, REASONS_LOG_EVERY_S, error,
+                    exc_info=error,
+                )  # fmt: skip
+            return {}
 
     def _step_events(
         self, rows: np.ndarray, x: torch.Tensor, ts_us: np.ndarray

@@ -107,6 +107,7 @@ class Bookkeeping:
         for features, scores, ts_us in out.observed:
             self.drift.observe(features, scores, ts_us)
         m.set("txsentinel_nonfinite_guards_total", self.scorer.stats.not_finite)
+        m.set("txsentinel_alert_reasons_failed_total", self.scorer.stats.reasons_failed)
         self._refresh_health()
         if out.created_ms:
             waited_ms = committed.at_ms - np.asarray(out.created_ms, np.float64)

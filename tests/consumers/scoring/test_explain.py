@@ -113,3 +113,53 @@ def test_replay_gives_each_alert_its_reasons_on_request(frame, spec):
     assert first and set(first[0]) == {"input", "text", "logit"}
     with pytest.raises(ValueError, match="needs a Scorer that gives reasons"):
         Scorer(model, threshold, reasons=0).replay(history, reasons=True)
+
+
+def _fitted_hybrid(spec: FeatureSpec) -> LoadedModel:
+    from tests.models.test_hybrid import fitted_hybrid  # trees fitted over a tiny base's scores
+
+    return LoadedModel(fitted_hybrid("lstm", terminal_buckets=spec.terminal_buckets).float(), spec)
+
+
+def test_a_fitted_hybrids_alerts_carry_reasons_and_none_is_rejected(frame, spec):
+    model = _fitted_hybrid(spec)  # trees: no gradient, so the inputs' terms come from moving them one by one
+    events = transactions_from_frame(frame.head(400))
+    threshold = _threshold(model, events)
+    scorer, records, reasons = Scorer(model, threshold), [], {}
+    for start in range(0, len(events), 97):
+        scored = scorer.score_batch(events[start : start + 97])
+        assert scored.rejected == []
+        reasons.update((len(records) + i, e) for i, e in scored.reasons.items())
+        records += scored.records
+    alerts = [n for n, r in enumerate(records) if r.alert]
+    assert len(records) == len(events) and 0 < len(alerts) < len(records)
+    assert sorted(reasons) == alerts and scorer.stats.reasons_failed == 0
+    assert any(e.reasons for e in reasons.values())
+    for n in alerts:
+        e = reasons[n]
+        assert e.history.input == HISTORY and all(
+            r.input in INPUTS and r.logit > 0 and r.text for r in e.reasons
+        )
+        assert np.isfinite([e.base_logit, e.history.logit]).all()
+
+
+def test_an_explainer_that_raises_costs_no_alert_and_is_counted_and_logged_once_a_while(frame, spec, caplog):
+    model = make_model(DETECTORS[0], spec)
+    events = transactions_from_frame(frame.head(200))
+    threshold = _threshold(model, events)
+    scorer = Scorer(model, threshold)
+
+    def broken(*args):
+        raise RuntimeError("element 0 of tensors does not require grad")
+
+    scorer.explainer.explain = broken
+    plain = Scorer(model, threshold, reasons=0)
+    with caplog.at_level("ERROR", logger="consumers.scoring.scorer"):
+        for start in range(0, len(events), 50):
+            scored = scorer.score_batch(events[start : start + 50])
+            want = plain.score_batch(events[start : start + 50])
+            assert scored.records == want.records and scored.rejected == [] and scored.reasons == {}
+    alerts = sum(r.alert for r in Scorer(model, threshold, reasons=0).score(events))
+    assert alerts > 0 and scorer.stats.reasons_failed == alerts
+    failures = [r for r in caplog.records if "alert reasons" in r.getMessage()]
+    assert len(failures) == 1 and "does not require grad" in failures[0].getMessage()

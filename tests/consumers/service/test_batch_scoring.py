@@ -267,3 +267,48 @@ def test_an_event_ahead_of_the_clock_is_featurized_as_of_the_clock(monkeypatch):
     assert skewed["EV"]["score"] == today["EV"]["score"]
     assert skewed["EP"]["score"] == today["EP"]["score"]
     assert skewed["EP"]["ts"] == format_ts(ahead)  # its own ts, 00:20 tomorrow
+
+
+def fitted_hybrid_scorer(threshold: float) -> Scorer:
+    from tests.models.test_hybrid import fitted_hybrid  # trees fitted over a tiny base's scores
+
+    n = len(FEATURE_NAMES)
+    spec = FeatureSpec(mean=(0.0,) * n, std=(1.0,) * n)
+    return Scorer(
+        LoadedModel(detector=fitted_hybrid(terminal_buckets=spec.terminal_buckets).float(), spec=spec),
+        threshold,
+    )
+
+
+def alert_messages(out) -> list[dict]:
+    return [json.loads(v) for t, _, v, _ in out.records if t == "p-alerts"]
+
+
+def test_a_fitted_hybrids_alerts_go_out_with_their_reasons_and_nothing_is_dead_lettered():
+    start = time.time_ns() // 1000 - 10 * HOUR_US
+    values = [(b"A%d" % (i % 3), tx_value(f"E{i}", f"A{i % 3}", start + i, 10.0 + 7 * i)) for i in range(12)]
+    scorer = fitted_hybrid_scorer(threshold=0.0)  # every event alerts
+    out = hostile_batch_scorer(scorer).score(polled(values))
+    assert dead_letters(out) == {} and (out.scored, out.alerts, out.careful) == (12, 12, 0)
+    alerts = alert_messages(out)
+    assert [a["event_id"] for a in alerts] == [f"E{i}" for i in range(12)]
+    assert all("reasons" in a and a["history"]["input"] == "history" for a in alerts)
+    assert scorer.stats.reasons_failed == 0
+
+
+def test_an_explainer_that_raises_costs_no_alert_and_no_dead_letter():
+    start = time.time_ns() // 1000 - 10 * HOUR_US
+    values = [(b"A%d" % (i % 3), tx_value(f"E{i}", f"A{i % 3}", start + i)) for i in range(6)]
+    scorer = tiny_scorer()
+    scorer.threshold = 0.0  # every event alerts
+
+    def broken(*args):
+        raise RuntimeError("a fault nobody foresaw, in the reasons")
+
+    scorer.explainer.explain = broken
+    out = hostile_batch_scorer(scorer).score(polled(values))
+    assert dead_letters(out) == {} and (out.scored, out.alerts, out.careful) == (6, 6, 0)
+    alerts = alert_messages(out)
+    assert [a["event_id"] for a in alerts] == [f"E{i}" for i in range(6)]
+    assert not any("reasons" in a for a in alerts)
+    assert scorer.stats.reasons_failed == 6
