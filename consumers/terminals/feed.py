@@ -275,4 +275,5 @@ def label_batch(labels: list[Label]) -> LabelBatch:
         label_ts_us=np.fromiter((label.label_ts_us for label in labels), dtype=np.int64, count=n),
         is_fraud=np.fromiter((label.is_fraud for label in labels), dtype=bool, count=n),
         event_ids=[label.event_id for label in labels],
+        account_ids=[label.account_id for label in labels],
     )

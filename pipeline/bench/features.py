@@ -91,13 +91,15 @@ def _fold_labels_twice(frame: pl.DataFrame, batch_labels: int) -> tuple[int, flo
     fraud = frame.filter(pl.col("is_fraud") & pl.col("label_ts").is_not_null()).sort("label_ts")
     fraud = pl.concat([fraud, fraud])
     terminals, events = fraud["terminal_id"].to_list(), fraud["event_id"].to_list()
+    accounts = fraud["account_id"].to_list()
     label_us = fraud["label_ts"].dt.epoch("us").to_numpy()
     featurizer = StreamingFeaturizer()
     started = time.perf_counter()
     for i in range(0, fraud.height, batch_labels):
         part = slice(i, i + batch_labels)
         n = len(label_us[part])
-        featurizer.observe_labels(LabelBatch(terminals[part], label_us[part], np.ones(n, bool), events[part]))
+        labels = LabelBatch(terminals[part], label_us[part], np.ones(n, bool), events[part], accounts[part])
+        featurizer.observe_labels(labels)
     return fraud.height, time.perf_counter() - started
 
 

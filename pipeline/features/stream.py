@@ -58,7 +58,6 @@ from pipeline.features.stream_batches import (
     FeaturizerCheckpoint,
     LabelBatch,
     TerminalOp,
-    event_id_hashes,
     take_events,
 )
 
@@ -451,7 +450,7 @@ class StreamingFeaturizer:
             terminals=[labels.terminal_ids[i] for i in picked],
             label_us=label_us,
             days=label_us // DAY_US,
-            events=event_id_hashes([labels.event_ids[i] for i in picked]),
+            events=labels.report_keys(picked),
         )
 
     def _unreported(self, slots: np.ndarray, events: np.ndarray) -> np.ndarray:

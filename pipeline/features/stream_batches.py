@@ -58,13 +58,20 @@ class FeaturizerCheckpoint:
 
 @dataclass(frozen=True)
 class LabelBatch:
-    """Label events (all [L]); only fraud labels change state. `event_ids`: the labelled events: a label
-    repeated for the same event is counted once."""
+    """Label events (all [L]); only fraud labels change state. `event_ids` and `account_ids`: the labelled
+    events, each an event_id of its account (as replays are told apart): a label repeated for the same event
+    is counted once."""
 
     terminal_ids: Sequence[str]
     label_ts_us: np.ndarray
     is_fraud: np.ndarray
     event_ids: Sequence[str]
+    account_ids: Sequence[str]
+
+    def report_keys(self, index: Sequence[int]) -> np.ndarray:
+        """[K] uint64: the labelled event of each label at `index`, its account's and its own id hashed
+        together (ids hold no NUL: the decoders refuse what does not print)."""
+        return event_id_hashes([f"{self.account_ids[i]}\x00{self.event_ids[i]}" for i in index])
 
 
 def take_events(events: EventBatch, index: np.ndarray) -> EventBatch:
@@ -99,6 +106,7 @@ def replay_batches(
         label_us = fraud["label_ts"].dt.epoch("us").to_numpy()
         label_terminals = fraud["terminal_id"].to_list()
         label_events = fraud["event_id"].to_list()
+        label_accounts = fraud["account_id"].to_list()
     cursor = 0
     for start in range(0, len(ts_us), batch_events):
         stop = min(start + batch_events, len(ts_us))
@@ -111,6 +119,7 @@ def replay_batches(
                     label_us[cursor:end],
                     np.ones(end - cursor, bool),
                     label_events[cursor:end],
+                    label_accounts[cursor:end],
                 )
             cursor = end
         yield (

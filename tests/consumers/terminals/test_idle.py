@@ -26,7 +26,7 @@ def events(terminals: list[str], days: list[int], account: str = "A") -> EventBa
 
 def fraud(terminal: str, day: int) -> LabelBatch:
     at = np.array([(DAY0 + day) * DAY_US], dtype=np.int64)
-    return LabelBatch([terminal], at, np.array([True]), [f"{terminal}-{day}"])
+    return LabelBatch([terminal], at, np.array([True]), [f"{terminal}-{day}"], ["A"])
 
 
 def history() -> StreamingFeaturizer:

@@ -20,7 +20,7 @@ def featurizer_with_two_terminals() -> StreamingFeaturizer:
     featurizer = StreamingFeaturizer()
     ts = np.array([1_700_000_000_000_000, 1_700_000_100_000_000], dtype=np.int64)
     featurizer.transform(EventBatch(["a", "b"], ["t1", "t2"], ts, np.array([5.0, 7.0])))
-    featurizer.observe_labels(LabelBatch(["t1"], ts[1:], np.array([True]), ["e1"]))
+    featurizer.observe_labels(LabelBatch(["t1"], ts[1:], np.array([True]), ["e1"], ["a"]))
     return featurizer
 
 
@@ -92,7 +92,9 @@ def test_positions_round_trip_and_refuse_other_topics():
 def test_a_delta_carries_a_batchs_event_counts_and_leaves_reports_out():
     featurizer = StreamingFeaturizer()
     featurizer.terminal_journal = []
-    featurizer.observe_labels(LabelBatch(["t9"], np.array([5], dtype=np.int64), np.array([True]), ["e9"]))
+    featurizer.observe_labels(
+        LabelBatch(["t9"], np.array([5], dtype=np.int64), np.array([True]), ["e9"], ["a"])
+    )
     assert terminal_deltas.encode_deltas(featurizer.take_terminal_journal()) is None  # reports only
     ts = np.array([3, 2, 1], dtype=np.int64) * 86_400_000_000
     featurizer.transform(EventBatch(["a", "b", "a"], ["t1", "t2", "t1"], ts, np.ones(3)))
@@ -167,6 +169,7 @@ def test_a_table_flushed_anywhere_plus_the_later_deltas_is_every_instances_state
         np.concatenate([b.label_ts_us for b in labels]),
         np.concatenate([b.is_fraud for b in labels]),
         [e for b in labels for e in b.event_ids],
+        [a for b in labels for a in b.account_ids],
     )
     expected = terminal_bytes(everything.terminals)
     assert len(flushed) >= 5

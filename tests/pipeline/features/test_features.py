@@ -210,10 +210,17 @@ def with_repeats(labels: LabelBatch | None, earlier: list[LabelBatch], rng) -> L
         return None
     terminals = [t for b, _ in pieces for t in b.terminal_ids]
     events = [e for b, _ in pieces for e in b.event_ids]
+    accounts = [a for b, _ in pieces for a in b.account_ids]
     ts = np.concatenate([b.label_ts_us + shift for b, shift in pieces])
     fraud = np.concatenate([b.is_fraud for b, _ in pieces])
     order = rng.permutation(len(events))
-    return LabelBatch([terminals[i] for i in order], ts[order], fraud[order], [events[i] for i in order])
+    return LabelBatch(
+        [terminals[i] for i in order],
+        ts[order],
+        fraud[order],
+        [events[i] for i in order],
+        [accounts[i] for i in order],
+    )
 
 
 def test_a_repeated_label_changes_no_feature(generated):
@@ -233,7 +240,7 @@ def test_a_repeated_label_changes_no_feature(generated):
 
 def test_a_report_counts_on_the_earliest_day_its_event_was_labelled_whatever_order_labels_come_in():
     def label(day: int) -> LabelBatch:
-        return LabelBatch(["t"], np.array([day * DAY_US]), np.array([True]), ["e"])
+        return LabelBatch(["t"], np.array([day * DAY_US]), np.array([True]), ["e"], ["a"])
 
     records = []
     for days in itertools.permutations([5, 9, 7]):
@@ -266,6 +273,7 @@ def fold_labels(labels: list[tuple[int, int]], cuts: list[int] = ()) -> bytes:
                     np.array([day for _, day in picked]) * DAY_US,
                     np.ones(len(picked), bool),
                     [f"e{event}" for event, _ in picked],
+                    ["a"] * len(picked),
                 )
             )
     return featurizer.terminals.get_bytes("t")
@@ -308,12 +316,25 @@ def test_any_repeats_in_any_order_and_batching_fold_to_each_event_once_on_its_ea
     assert fold_labels(order, cuts) == each_once_on_its_earliest_day(labels)
 
 
+def test_two_accounts_events_of_one_id_are_two_reports():
+    # event_id tells an account's events apart (as replays are): the same id at two accounts is two events.
+    featurizer = StreamingFeaturizer()
+    featurizer.observe_labels(
+        LabelBatch(["t", "t"], np.full(2, 5 * DAY_US), np.ones(2, bool), ["7", "7"], ["A", "B"])
+    )
+    featurizer.observe_labels(
+        LabelBatch(["t"], np.array([5 * DAY_US]), np.ones(1, bool), ["7"], ["A"])
+    )  # a repeat
+    record = np.frombuffer(featurizer.terminals.get_bytes("t"), dtype=featurizer.terminals.dtype)[0]
+    assert record["report_count"].sum() == 2
+
+
 def test_a_terminal_remembers_its_newest_reports():
     # More reports than a terminal remembers, then all of them again: the repeats of the newest
     # REMEMBERED_REPORTS are not counted, those of the older ones, forgotten, are.
     n = REMEMBERED_REPORTS + 8
     days = 10 + np.arange(n) // 4
-    labels = LabelBatch(["t"] * n, days * DAY_US, np.ones(n, bool), [f"e{i}" for i in range(n)])
+    labels = LabelBatch(["t"] * n, days * DAY_US, np.ones(n, bool), [f"e{i}" for i in range(n)], ["a"] * n)
     featurizer = StreamingFeaturizer()
     featurizer.observe_labels(labels)
     featurizer.observe_labels(labels)
@@ -397,6 +418,7 @@ def test_terminal_state_is_the_same_whatever_order_and_split_the_events_are_fold
         fraud["label_ts"].dt.epoch("us").to_numpy(),
         np.ones(fraud.height, bool),
         fraud["event_id"].to_list(),
+        fraud["account_id"].to_list(),
     )
     halves[1].observe_labels(labels)
     merged = StreamingFeaturizer()
@@ -508,7 +530,7 @@ def test_a_late_event_changes_no_later_events_gap(batches):
 
 def test_labels_between_batches_are_applied_by_observe_labels():
     featurizer = StreamingFeaturizer()
-    featurizer.observe_labels(LabelBatch(["t"], np.array([DAY_US]), np.array([True]), ["e"]))
+    featurizer.observe_labels(LabelBatch(["t"], np.array([DAY_US]), np.array([True]), ["e"], ["a"]))
     raw = featurizer.raw_aggregates(EventBatch(["a"], ["t"], np.array([DAY_US + 1]), np.array([1.0])))
     assert raw["terminal_reports_1d"].tolist() == [1]
 
@@ -540,7 +562,11 @@ def test_state_written_in_a_batch_that_grows_the_tables_is_not_lost():
     featurizer = StreamingFeaturizer()
     label_terminals = [f"L{i}" for i in range(1_100)]
     labels = LabelBatch(
-        label_terminals, np.full(1_100, DAY_US), np.ones(1_100, bool), [f"e{i}" for i in range(1_100)]
+        label_terminals,
+        np.full(1_100, DAY_US),
+        np.ones(1_100, bool),
+        [f"e{i}" for i in range(1_100)],
+        ["a"] * 1_100,
     )
     featurizer.transform(EventBatch(["a"], ["t0"], np.array([DAY_US + 5]), np.array([3.0])), labels)
     record = np.frombuffer(featurizer.terminals.get_bytes("t0"), dtype=featurizer.terminals.dtype)[0]
