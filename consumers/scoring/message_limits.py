@@ -166,7 +166,9 @@ def parse_ts(value: object, field: str, limits=None, now: int | None = None) -> 
     try:
         delta = datetime.fromisoformat(value.upper()) - _EPOCH  # aware: any offset, in UTC; 't', 'z' allowed
     except (ValueError, OverflowError):  # a month 13, a 25th hour, a leap second
-        raise MessageError(f"field {field!r}: {show(value)} is not a valid date and time") from None
+        raise MessageError(
+            f"field {field!r}: {show(value)} is not an ISO-8601 timestamp: no such date or time"
+        ) from None
     return _bounded(
         (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds, value, field, limits, now
     )

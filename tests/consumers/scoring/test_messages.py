@@ -89,6 +89,12 @@ def test_a_timestamp_is_the_documented_form_whole_or_is_refused(text):
         parse_ts(text, "ts", now=NOW_US)
 
 
+@pytest.mark.parametrize("text", ["2026-02-30T00:00:00Z", "2026-03-01T25:00:00Z", "2026-06-30T23:59:60Z"])
+def test_a_timestamp_of_the_right_form_but_no_such_time_is_refused(text):
+    with pytest.raises(MessageError, match="is not an ISO-8601 timestamp: no such date or time"):
+        parse_ts(text, "ts", now=NOW_US)
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [
