@@ -5,16 +5,18 @@ live scorer, on one core (pipeline/bench/cores.py pins it before this module is 
 import os
 import platform
 import time
+import tracemalloc
 
 import numpy as np
 import polars as pl
 import torch
 
 from consumers.scoring.scorer import Scorer
+from consumers.terminals.idle import TerminalEviction
 from models.registry import build_detector
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features import StreamingFeaturizer, compute_features, fit_feature_spec, replay_batches
-from pipeline.features.state import ACCOUNT_STATE, TERMINAL_STATE
+from pipeline.features.state import ACCOUNT_STATE, TERMINAL_STATE, StateTable
 from pipeline.features.stream_batches import LabelBatch
 from pipeline.registry.artifact import LoadedModel
 
@@ -54,12 +56,14 @@ def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, fl
     stream_s = time.perf_counter() - started
 
     labels, label_s = _fold_labels_twice(frame, batch_events)
+    per_terminal = _bytes_per_terminal_held(TERMINALS_HELD)
     results = {
         "batch_events_per_s": frame.height / batch_s,
         "stream_events_per_s": frame.height / stream_s,
         "stream_batch_p50_ms": float(np.percentile(latencies, 50) * 1e3),
         "stream_batch_p99_ms": float(np.percentile(latencies, 99) * 1e3),
         "fraud_labels_per_s": labels / label_s if labels else float("nan"),
+        "bytes_per_terminal_held": per_terminal,
     }
     table = pl.DataFrame(
         {
@@ -69,6 +73,7 @@ def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, fl
                 "streaming micro-batch latency p50 / p99, ms",
                 f"fraud labels folded between batches, each given twice ({labels // 2:,} events), labels/s",
                 "state per account / per terminal, bytes",
+                f"memory per terminal held ({TERMINALS_HELD:,}, 10-character ids), bytes",
             ],
             "value": [
                 f"{results['batch_events_per_s']:,.0f}",
@@ -76,13 +81,33 @@ def run_feature_bench(events: int, batch_events: int, seed: int) -> dict[str, fl
                 f"{results['stream_batch_p50_ms']:.2f} / {results['stream_batch_p99_ms']:.2f}",
                 f"{results['fraud_labels_per_s']:,.0f}",
                 f"{ACCOUNT_STATE.itemsize} / {TERMINAL_STATE.itemsize}",
+                f"{results['bytes_per_terminal_held']:,.0f}",
             ],
-            "target": [">= 1,000,000", ">= 100,000", "", "", ""],
+            "target": [">= 1,000,000", ">= 100,000", "", "", "", ""],
         }
     )
     with pl.Config(tbl_hide_dataframe_shape=True, tbl_width_chars=120, fmt_str_lengths=80):
         print(table)
     return results
+
+
+TERMINALS_HELD = 100_000
+
+
+def _bytes_per_terminal_held(terminals: int) -> float:
+    """What a terminal table holding `terminals` takes a terminal, by tracemalloc: the records (the table
+    capped at that count, so they stop growing at its row limit, as a service's do) and the dict of ids."""
+    table = StateTable(TERMINAL_STATE)
+    table.row_limit = TerminalEviction(0, max_terminals=terminals).row_limit
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for start in range(0, terminals, 500):
+            table.slots([f"T{i:09d}" for i in range(start, min(start + 500, terminals))])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    return held / len(table)
 
 
 def _fold_labels_twice(frame: pl.DataFrame, batch_labels: int) -> tuple[int, float]:
