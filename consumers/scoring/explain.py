@@ -6,7 +6,7 @@ Only alerts are explained (about 1% of events). The state an alert is explained 
 state just BEFORE the event, which the batched step overwrites in place; so before each step the scorer
 copies the states of the batch's accounts (`snapshot`, into buffers kept from one batch to the next), and an
 alert that is its account's k-th event of the batch gets its state by stepping that copy through the
-account's k - 1 earlier events. What this costs on throughput: docs/benchmarks.md, "Reasons with every alert".
+account's k - 1 earlier events (once for all the account's alerts: _states_before). What this costs on throughput: docs/benchmarks.md, "Reasons with every alert".
 """
 
 import json
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from models.attribution import DEFAULT_STEPS, attribute
-from models.contract import RecurrentDetector, State
+from models.contract import RecurrentDetector, State, gather_states, rounds_of
 from pipeline.features.reasons import Explanation, explain
 
 ALERT_BLOCK = 64  # alerts per attribution call at most: bounds its memory (64 x steps rows)
@@ -68,17 +68,7 @@ class AlertExplainer:
             return {}
         detector = self.detector
         x = x.to(device=detector.device, dtype=next(detector.parameters()).dtype)
-        # Each alert's own copy of its account's state before the batch [A, ...], then stepped through the
-        # account's earlier events of the batch, all alerts' at once (an account may repeat: in order).
-        copies = torch.as_tensor([snapshot.index[int(rows[p])] for p in alerts.tolist()])
-        before = {
-            key: value.index_select(0, copies.to(value.device)) for key, value in snapshot.states.items()
-        }
-        chains = [np.flatnonzero(rows[:p] == rows[p]) for p in alerts.tolist()]  # earlier events of each
-        earlier = np.concatenate(chains)
-        if len(earlier):
-            owner = np.repeat(np.arange(len(alerts)), [len(c) for c in chains])  # [E] the alert they lead to
-            detector.step_in_place(x[earlier], before, torch.from_numpy(owner).to(x.device))
+        before = self._states_before(snapshot, rows, x, alerts)  # [A, ...]
         # One attribution call for up to ALERT_BLOCK alerts: ~5x cheaper per alert than one at a time.
         terms, history, base = [], [], []
         for start in range(0, len(alerts), ALERT_BLOCK):
@@ -92,6 +82,45 @@ class AlertExplainer:
             np.concatenate(terms), np.concatenate(history), np.concatenate(base), features[alerts], self.top
         )
         return dict(zip(alerts.tolist(), explained, strict=True))
+
+    def _states_before(
+        self, snapshot: Snapshot, rows: np.ndarray, x: torch.Tensor, alerts: np.ndarray
+    ) -> State:
+        """The state of each alert's account just before it [A, ...], in the order of `alerts`.
+
+        One copy per alerting account, stepped through its events of the batch up to its last alert, round
+        by round (its r-th event in round r: rounds_of), each alert's state taken out as its round comes. So
+        a batch costs one step per event of its busiest alerting account, and an account with k alerts k
+        steps, not the k^2 / 2 of stepping a copy per alert through all its earlier events.
+        """
+        accounts = np.unique(rows[alerts])  # store rows of the alerting accounts
+        copy_of = {row: j for j, row in enumerate(accounts.tolist())}
+        last_alert = {int(rows[p]): p for p in sorted(alerts.tolist())}
+        walk = np.array(
+            [p for p in range(max(last_alert.values()) + 1) if last_alert.get(int(rows[p]), -1) >= p]
+        )
+        owner = torch.as_tensor([copy_of[int(rows[p])] for p in walk.tolist()], device=x.device)
+        index = torch.as_tensor([snapshot.index[row] for row in accounts.tolist()])
+        states = {
+            key: value.index_select(0, index.to(value.device)) for key, value in snapshot.states.items()
+        }
+        is_alert = np.zeros(len(rows), dtype=bool)
+        is_alert[alerts] = True
+        taken_at, taken = [], []
+        for positions in rounds_of(owner):
+            events = walk[positions.cpu().numpy()]
+            who = owner[positions]
+            here = is_alert[events]
+            if here.any():
+                taken_at.append(events[here])
+                taken.append(gather_states(states, who[torch.from_numpy(here).to(who.device)]))
+            self.detector.step_in_place(x[torch.from_numpy(events).to(x.device)], states, who)
+        rank = {p: i for i, p in enumerate(np.concatenate(taken_at).tolist())}
+        order = torch.as_tensor([rank[p] for p in alerts.tolist()])
+        return {
+            key: torch.cat([t[key] for t in taken]).index_select(0, order.to(states[key].device))
+            for key in states
+        }
 
 
 def encode_alert(score_value: bytes, explanation: Explanation | None) -> bytes:

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 import torch
 
-from consumers.scoring.explain import encode_alert
+from consumers.scoring.explain import AlertExplainer, encode_alert
 from consumers.scoring.messages import transactions_from_frame
 from consumers.scoring.outputs import encode_scores
 from consumers.scoring.scorer import Scorer
@@ -81,6 +81,32 @@ def test_alerts_and_only_alerts_carry_reasons_from_the_state_before_their_event(
         assert got.history.input == HISTORY
         assert all(r.input in INPUTS and r.logit > 0 and r.text for r in got.reasons)
         assert [r.logit for r in got.reasons] == sorted((r.logit for r in got.reasons), reverse=True)
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+def test_each_alert_is_explained_from_the_state_just_before_it_however_many_its_account_has(name, spec):
+    # 3 accounts, 40 events in a batch, most of them alerts (a burst): every alert's state is the one the
+    # account's events before it in the batch leave, as stepping them one at a time gives.
+    detector = make_model(name, spec).detector.eval()
+    torch.manual_seed(1)
+    rows = np.array([0, 1, 0, 0, 2, 0, 1, 0, 0, 0] * 4)
+    x = torch.randn(len(rows), spec.num_features + 1)
+    x[:, -1] = 0  # the terminal bucket column
+    alerts = np.flatnonzero(np.arange(len(rows)) % 5 != 3)
+    with torch.inference_mode():
+        table = detector.init_state(3)
+        detector.step_in_place(torch.randn(3, spec.num_features + 1).abs().floor(), table, torch.arange(3))
+        explainer = AlertExplainer(detector, top=3)
+        got = explainer._states_before(explainer.snapshot(table, rows), rows, x, alerts)
+        want, state = [], {key: value.clone() for key, value in table.items()}
+        for p in range(len(rows)):
+            if p in set(alerts.tolist()):
+                want.append({key: value[rows[p] : rows[p] + 1].clone() for key, value in state.items()})
+            detector.step_in_place(x[p : p + 1], state, torch.as_tensor([rows[p]]))
+    for key in got:
+        expected = torch.cat([w[key] for w in want])
+        torch.testing.assert_close(got[key].float(), expected.float(), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[next(iter(got))][0], got[next(iter(got))][-1])  # the states did move
 
 
 def test_no_reasons_when_turned_off_and_the_alert_record_is_the_score_record_plus_reasons(frame, spec):
