@@ -6,7 +6,8 @@ Only alerts are explained (about 1% of events). The state an alert is explained 
 state just BEFORE the event, which the batched step overwrites in place; so before each step the scorer
 copies the states of the batch's accounts (`snapshot`, into buffers kept from one batch to the next), and an
 alert that is its account's k-th event of the batch gets its state by stepping that copy through the
-account's k - 1 earlier events (once for all the account's alerts: _states_before). What this costs on throughput: docs/benchmarks.md, "Reasons with every alert".
+account's k - 1 earlier events (one walk for all the account's alerts: _states_before). What this costs on
+throughput: docs/benchmarks.md, "Reasons with every alert".
 """
 
 import json

@@ -31,7 +31,7 @@ RING_DAYS = max(WINDOW_DAYS)
 TERMINAL_BUCKETS = 4096
 # "Has this account used this terminal before?" is kept as a bitset of hashed terminals per account.
 SEEN_TERMINAL_BITS = 512
-# Fraud reports remembered per terminal (by event id), so a repeated label counts once. The newest are kept:
+# Fraud reports remembered per terminal (by account and event id), so a repeated label counts once. The newest are kept:
 # exact while a terminal has at most this many reports, and beyond that for repeats of any of its newest 32.
 REMEMBERED_REPORTS = 32
 

@@ -42,8 +42,9 @@ TERMINAL_STATE = np.dtype(
         ("day_count", "<i4", (RING_DAYS,)),
         ("report_day", "<i4", (RING_DAYS,)),  # day of label_ts of fraud reports
         ("report_count", "<i4", (RING_DAYS,)),
-        # The events whose fraud reports were counted (event_id_hash, 0 = empty) and the label day each counts
-        # on: a repeated label finds its event here and is not counted again (pipeline/features/stream.py).
+        # The events whose fraud reports were counted (LabelBatch.report_keys: account and event id hashed, 0 =
+        # empty) and the label day each counts on: a repeated label finds its event here and is not counted
+        # again (pipeline/features/stream.py).
         ("reported_event", "<u8", (REMEMBERED_REPORTS,)),
         ("reported_day", "<i4", (REMEMBERED_REPORTS,)),
     ]

@@ -13,7 +13,7 @@ the events whose feature row is not finite before anything is folded, so they ch
 Events are applied in arrival order. A late event (older day than its account or terminal has seen) has its
 windows end at the newest day seen, and its gap is clipped to 0; the next event's gap runs from the newest
 event seen, not from the late one; and it is counted on its own day, in the state and in the windows of the
-events after it in its batch (_late_in_batch) alike, so a payment dated years back never reads as today's,
+events after it in its batch (_in_batch_windows) alike, so a payment dated years back never reads as today's,
 and no feature depends on how the stream is cut into batches. In time order — what the batch form and a
 replay see — no event is late and both forms agree exactly.
 
@@ -135,32 +135,38 @@ def grouped_cumsum(values: np.ndarray, first: np.ndarray) -> np.ndarray:
 
 
 def _in_batch_windows(
-    key: np.ndarray, values: np.ndarray | None, first: np.ndarray
+    key: np.ndarray, values: np.ndarray | None, first: np.ndarray, days: np.ndarray
 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """For each window d: (count, sum of values) over earlier-or-same events of this batch in the window.
-    key [N] sorted, its entity in the high bits; first [N] marks each entity's first event."""
+    """For each window d: (count, sum of values) over earlier-or-same events of this batch in the window,
+    each earlier event on its own day. key [N] sorted (_entity_batch's: entity * 2**20 + the entity's newest
+    day so far); first [N] marks each entity's first event; days [N] each event's own day, in key order."""
     position = np.arange(len(key))
     running = None if values is None else grouped_cumsum(values, first)
+    late = _late_in_batch(key, days, values)
     out = {}
     for d in WINDOW_DAYS:
         start = np.searchsorted(key, key - (d - 1), side="left")
         count = position - start + 1
         total = None if running is None else running - running[start] + values[start]
+        if late is not None:
+            count = count - late[d][0]
+            total = None if total is None else total - late[d][1]
         out[d] = (count, total)
     return out
 
 
 def _late_in_batch(
-    codes: np.ndarray, days: np.ndarray, day_eff: np.ndarray, values: np.ndarray | None
+    key: np.ndarray, days: np.ndarray, values: np.ndarray | None
 ) -> dict[int, tuple[np.ndarray, np.ndarray | None]] | None:
-    """What _in_batch_windows counts that it should not: it counts each earlier event of the batch on its
-    entity's newest day so far (its key), where the state folds a late event on its own day. For each window
-    d, per event (all [N] in `order`, as codes, days, day_eff and values are): the count and sum of values of
-    the earlier late events of its entity whose key falls in its window and whose own day does not. None when
-    no event of the batch came late (the common case: nothing to take back).
+    """What the searchsorted windows of _in_batch_windows count that they should not: they count each
+    earlier event of the batch on its entity's newest day so far (its key), where the state folds a late
+    event on its own day. For each window d, per event (all [N] in key order): the count and sum of values
+    of the earlier late events of its entity whose key falls in its window and whose own day does not. None
+    when no event of the batch came late (the common case: nothing to take back).
 
     Few events come late: a [N, L] comparison against the L late ones. An event's own count always includes
     itself, late or not, as the batch form's windows do."""
+    codes, day_eff = key // _DAY_SPAN, key % _DAY_SPAN
     late = np.flatnonzero(days < day_eff)
     if not late.size:
         return None
@@ -307,12 +313,9 @@ class StreamingFeaturizer:
         repeat[pair_order[1:]] = pair[pair_order][1:] == pair[pair_order][:-1]
         out["terminal_seen"] = (seen_state.astype(bool) | repeat).astype(np.int64)
 
-        in_batch = _in_batch_windows(key, amounts[order], first_in_group)
-        late = _late_in_batch(codes[order], days[order], day_eff[order], amounts[order])
+        in_batch = _in_batch_windows(key, amounts[order], first_in_group, days[order])
         in_state = ring_window_sums(rec, slots, day_eff, ("day_count", "day_amount"), "day")
         for d, (count, total) in in_batch.items():
-            if late is not None:
-                count, total = count - late[d][0], total - late[d][1]
             c = np.empty(n, dtype=np.int64)
             s = np.empty(n)
             c[order], s[order] = count, total
@@ -343,31 +346,31 @@ class StreamingFeaturizer:
         table = self.terminals
         fraud = self._fraud_labels(labels)
         label_slots = table.slots(fraud.terminals) if fraud is not None else None
-        slots, codes, order, key, day_eff = _entity_batch(table, terminal_ids, days)
+        slots, _, order, key, day_eff = _entity_batch(table, terminal_ids, days)
         rec = table.records  # only now: creating records for new terminals may have grown the array
 
         out: dict[str, np.ndarray] = {}
         counts_in_state = ring_window_sums(rec, slots, day_eff, ("day_count",), "day")
-        late = _late_in_batch(codes[order], days[order], day_eff[order], None)
-        for d, (count, _) in _in_batch_windows(key, None, None).items():
+        for d, (count, _) in _in_batch_windows(key, None, None, days[order]).items():
             c = np.empty(n, dtype=np.int64)
-            c[order] = count if late is None else count - late[d][0]
+            c[order] = count
             out[f"terminal_count_{d}d"] = c + counts_in_state[d][0]
 
         reports_in_state = ring_window_sums(rec, slots, day_eff, ("report_count",), "report_day")
-        new = None
+        known_slots = label_us = None
         if fraud is not None:
             # The batch's first label of each event not yet reported: a repeat is not known twice.
             first = self._first_reports(label_slots, fraud.label_us, fraud.events)
             new = self._unreported(label_slots, fraud.events) & first
+            if new.any():
+                known_slots, label_us = label_slots[new], fraud.label_us[new]
         for d in WINDOW_DAYS:
             reports = reports_in_state[d][0]
-            if new is not None and new.any():
+            if label_us is not None:
                 # Few fraud labels per batch: a [N, L] comparison is cheaper than sorting.
-                label_us = fraud.label_us[new]
                 label_day = label_us // DAY_US
                 known = (
-                    (label_slots[new][None, :] == slots[:, None])
+                    (known_slots[None, :] == slots[:, None])
                     & (label_us[None, :] <= ts_us[:, None])
                     & (label_day[None, :] > (day_eff - d)[:, None])
                     & (label_day[None, :] <= day_eff[:, None])
@@ -480,7 +483,7 @@ class StreamingFeaturizer:
 
 
 def _report_once(rec: np.ndarray, slot: int, day: int, event: int) -> None:
-    """Fold a fraud report of `event` (its event_id_hash) on `day` into terminal record `slot`.
+    """Fold a fraud report of `event` (its key: LabelBatch.report_keys) on `day` into terminal record `slot`.
 
     The terminal remembers the events it was reported for, each on the earliest day it was labelled, kept
     sorted by (day, event) so that the same reports give the same bytes. A report of an event it remembers

@@ -33,8 +33,8 @@ def event_id_hashes(event_ids: Sequence[str]) -> np.ndarray:
 @dataclass(frozen=True)
 class TerminalOp:
     """One change to terminal state, as journaled: events counted at their terminals on their effective
-    days ("events"), or fraud reports on their label days ("reports", with the event_id_hash of each
-    reported event in `events`); terminals and days [K]."""
+    days ("events"), or fraud reports on their label days ("reports", with each reported event's key,
+    LabelBatch.report_keys, in `events`); terminals and days [K]."""
 
     kind: str
     terminals: list[str]
@@ -43,7 +43,7 @@ class TerminalOp:
 
     def __post_init__(self) -> None:
         if self.kind == "reports" and self.events is None:
-            raise ValueError("a reports op needs the event_id_hash of each reported event")
+            raise ValueError("a reports op needs the key of each reported event (LabelBatch.report_keys)")
 
 
 @dataclass(frozen=True)
