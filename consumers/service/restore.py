@@ -276,8 +276,9 @@ class Restore:
         then a new delta session: whatever this instance folds from now on, it also writes."""
         cfg, featurizer = self.cfg, self.scorer.featurizer
         started = time.monotonic()
-        self.feed.start_from_table(featurizer, self.restorer, cfg.topic("terminal_table"))
-        featurizer.terminals.row_limit = self.batches.eviction.row_limit
+        self.feed.start_from_table(
+            featurizer, self.restorer, cfg.topic("terminal_table"), self.batches.eviction.row_limit
+        )
         self.stats.restored_terminals += len(featurizer.terminals)
         featurizer.terminal_journal = []  # what the rewound batches folded is gone with the old table
         got = self.feed.read(to_high_watermark=True)  # every session's deltas: none of them is folded yet

@@ -146,12 +146,16 @@ class FeedReader:
     def close(self) -> None:
         self.consumer.close()
 
-    def start_from_table(self, featurizer: StreamingFeaturizer, reader: Reader, table_topic: str) -> None:
-        """Replace the featurizer's terminal state with the table's (consumers/terminal_table.read_table) and
-        go to the positions it reflects. What comes after them is still to be read."""
+    def start_from_table(
+        self, featurizer: StreamingFeaturizer, reader: Reader, table_topic: str, row_limit: int | None = None
+    ) -> None:
+        """Replace the featurizer's terminal state with the table's (consumers/terminals/table.read_table) and
+        go to the positions it reflects. What comes after them is still to be read. `row_limit`: where the
+        new table's records stop doubling (TerminalEviction.row_limit of its holder; None: no cap)."""
         featurizer.terminals, positions = read_table(
             reader, table_topic, self.labels_topic, self.deltas_topic, self.timeout_s
         )
+        featurizer.terminals.row_limit = row_limit
         self.seek(positions)
 
     def _partitions(self, topic: str) -> list[TopicPartition]:
