@@ -114,12 +114,17 @@ class Reader:
         self.watermarks.close()
 
 
-def offset_span(reader: Reader, topic: str, partitions: list[int]) -> int:
-    """Offsets from the partitions' log starts to their high watermarks: at least as many as the records a
-    whole read returns, and so the keys it finds (superseded and control records count too)."""
-    tps = [TopicPartition(topic, p) for p in partitions]
-    first, end = reader.watermarks.beginning_offsets(tps), reader.watermarks.end_offsets(tps)
-    return sum(end[tp] - first[tp] for tp in tps)
+def high_watermarks(reader: Reader, topic: str, partitions: list[int]) -> dict[TopicPartition, int]:
+    """Where a read of `partitions` starting now stops (open transactions included): asked for once by a
+    caller that needs them before the read too (offset_span), then passed to read_chunks."""
+    return reader.watermarks.end_offsets([TopicPartition(topic, p) for p in partitions])
+
+
+def offset_span(reader: Reader, end: dict[TopicPartition, int]) -> int:
+    """Offsets from the partitions' log starts to `end`, their high_watermarks: at least as many as the
+    records a whole read to them returns, and so the keys it finds (superseded and control records count too)."""
+    first = reader.watermarks.beginning_offsets(list(end))
+    return sum(end[tp] - first[tp] for tp in end)
 
 
 def read_latest(
@@ -169,13 +174,19 @@ def read_recent(
 
 
 def read_chunks(
-    reader: Reader, topic: str, partitions: list[int], timeout_s: float, chunk_bytes: int
+    reader: Reader,
+    topic: str,
+    partitions: list[int],
+    timeout_s: float,
+    chunk_bytes: int,
+    end: dict[TopicPartition, int] | None = None,
 ) -> Iterator[list[tuple[str, ConsumerRecord]]]:
     """The (key, record) pairs of read_latest, in order, about `chunk_bytes` of values at a time: for a
-    caller that applies them as they come instead of holding every value (consumers/service/state_restore.py)."""
+    caller that applies them as they come instead of holding every value (consumers/service/state_restore.py).
+    `end`: the partitions' high_watermarks when the caller has them already (default: asked for at the start)."""
     chunk: list[tuple[str, ConsumerRecord]] = []
     size = 0
-    for pair in _records(reader, topic, partitions, timeout_s):
+    for pair in _records(reader, topic, partitions, timeout_s, end=end):
         chunk.append(pair)
         size += pair[1].serialized_value_size
         if size >= chunk_bytes:
@@ -262,10 +273,12 @@ def _records(
     timeout_s: float,
     last_key: str | None = None,
     starts: dict[int, int] | None = None,
+    end: dict[TopicPartition, int] | None = None,
 ):
     """(key, record) for every committed record of the partitions, from their beginning (or from
-    starts[partition]) to their high watermarks at the start, waiting out transactions still open there
-    (module docstring); then on, while `last_key` is given and the last record read had another key."""
+    starts[partition]) to their high watermarks at the start (or `end`, high_watermarks fetched by the
+    caller), waiting out transactions still open there (module docstring); then on, while `last_key` is
+    given and the last record read had another key."""
     started = time.monotonic()
     tps = [TopicPartition(topic, p) for p in partitions]
     consumer = reader.committed
@@ -274,7 +287,7 @@ def _records(
     for tp in tps:
         if starts and starts.get(tp.partition):
             consumer.seek(tp, starts[tp.partition])
-    end = reader.watermarks.end_offsets(tps)
+    end = reader.watermarks.end_offsets(tps) if end is None else end
     read, next_log = 0, started + PROGRESS_EVERY_S
     last = last_key  # the last record's key; nothing read yet counts as ending right
 

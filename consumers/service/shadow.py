@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from kafka import KafkaAdminClient
 
-from consumers.runtime.compacted import Reader, offset_span, read_chunks, read_places
+from consumers.runtime.compacted import Reader, high_watermarks, offset_span, read_chunks, read_places
 from consumers.runtime.settings import ServeConfig
 from consumers.runtime.topics import COMPACTED_CONFIG, create_topic, partition_count
 from consumers.scoring.outputs import encode_scores
@@ -120,9 +120,9 @@ class ShadowSide:
         where: dict[str, Place] = {}
         # Rows in one step, as for the champion: one per record the read can find, no more than the accounts
         # the champion holds (only theirs load)
-        span = offset_span(reader, self.changelog, partitions)
-        self.model.store.reserve(min(span, len(self.scorer.store.accounts())))
-        for chunk in read_chunks(reader, self.changelog, partitions, timeout_s, CHUNK_BYTES):
+        end = high_watermarks(reader, self.changelog, partitions)
+        self.model.store.reserve(min(offset_span(reader, end), len(self.scorer.store.accounts())))
+        for chunk in read_chunks(reader, self.changelog, partitions, timeout_s, CHUNK_BYTES, end):
             read += len(chunk)
             latest: dict[str, bytes] = {}
             for key, record in chunk:

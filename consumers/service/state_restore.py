@@ -16,7 +16,7 @@ import gc
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from consumers.runtime.compacted import Reader, offset_span, read_chunks
+from consumers.runtime.compacted import Reader, high_watermarks, offset_span, read_chunks
 from consumers.scoring.scorer import Scorer
 
 # ~4,500 LSTM or ~900 linear Transformer states of the default size. Small enough that the chunk's copies
@@ -56,9 +56,11 @@ def _restore(
     recent: OrderedDict[str, None] = OrderedDict()  # accounts held, by the order of their last record
     where: dict[str, Place] = {}
     read = 0
+    # Asked for once: the reservation and the read stop at the same place
+    end = high_watermarks(reader, topic, partitions)
     # Rows for every account the read can find, at once: the store does not double (and copy) its way there
-    scorer.reserve_accounts(min(keep, offset_span(reader, topic, partitions)))
-    for chunk in read_chunks(reader, topic, partitions, timeout_s, CHUNK_BYTES):
+    scorer.reserve_accounts(min(keep, offset_span(reader, end)))
+    for chunk in read_chunks(reader, topic, partitions, timeout_s, CHUNK_BYTES, end):
         read += len(chunk)
         latest: dict[str, bytes] = {}
         for key, record in chunk:

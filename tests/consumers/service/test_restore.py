@@ -1,20 +1,23 @@
 """Restores that stay cheap (consumers/service/restore.py): states restored in batches equal those restored one
-at a time; new partitions wait, paused, for the committed offsets to be fetched before the changelog is read;
-an aborted batch lets go of its own accounts only; a commit that missed a cooperative rebalance is read again
-without leaving the group. The broker-backed versions are in tests/integration/test_service_restore.py."""
+at a time; new partitions wait, paused, for the committed offsets to be fetched before the changelog is read; a
+changelog read asks for its end offsets once; an aborted batch lets go of its own accounts only; a commit that
+missed a cooperative rebalance is read again without leaving the group. The broker-backed versions are in tests/integration/test_service_restore.py."""
 
 from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import CommitFailedError
-from kafka.structs import ConsumerGroupMetadata
+from kafka.structs import ConsumerGroupMetadata, TopicPartition
 
 import consumers.service.restore as restore_module
+from consumers.runtime.compacted import Reader
 from consumers.scoring.messages import transactions_from_frame
 from consumers.scoring.scorer import Scorer
 from consumers.service.dormant import DormantStates
+from consumers.service.state_restore import restore_partitions
 from models.registry import REGISTRY, build_detector
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features import FEATURE_NAMES, compute_features, fit_feature_spec
@@ -148,3 +151,65 @@ def test_a_commit_that_missed_a_cooperative_rebalance_is_read_again_without_rejo
     service.run(stop)
     assert "rejoined" not in log and log.count("rewound 0:1 0:2") == 1
     assert log[-2:] == ["offsets 0:3", "committed"] and service.failures == 0
+
+
+class _Watermarks:
+    def __init__(self, end: dict):
+        self.end, self.end_calls = end, 0
+
+    def beginning_offsets(self, tps):
+        return {tp: 0 for tp in tps}
+
+    def end_offsets(self, tps):
+        self.end_calls += 1
+        return {tp: self.end[tp] for tp in tps}
+
+
+class _Committed:
+    """Hands out each assigned partition's records, from offset 0, one poll at a time."""
+
+    def __init__(self, records: dict):
+        self.records, self.at = records, {}
+
+    def assign(self, tps):
+        self.at = {tp: 0 for tp in tps}
+
+    def seek_to_beginning(self, *tps):
+        self.at.update({tp: 0 for tp in tps})
+
+    def position(self, tp):
+        return self.at[tp]
+
+    def poll(self, timeout_ms):
+        out = {tp: self.records[tp][at:] for tp, at in self.at.items() if self.records[tp][at:]}
+        self.at.update({tp: len(self.records[tp]) for tp in out})
+        return out
+
+    def unsubscribe(self):
+        self.at = {}
+
+
+class _Scorer:
+    def __init__(self):
+        self.store, self.reserved = {}, None
+
+    def reserve_accounts(self, count):
+        self.reserved = count
+
+    def restore_accounts(self, accounts, values):
+        self.store.update(zip(accounts, values, strict=True))
+
+
+def test_a_changelog_restore_asks_for_the_end_offsets_once_and_reserves_and_reads_to_them():
+    def record(partition, offset, key):
+        return ConsumerRecord(
+            "cl", partition, 0, offset, 0, 0, key.encode(), b"v" + key.encode(), None, None, 2, 2, -1
+        )
+
+    tps = [TopicPartition("cl", 0), TopicPartition("cl", 1)]
+    logs = {tps[0]: [record(0, 0, "a"), record(0, 1, "b")], tps[1]: [record(1, 0, "c")]}
+    watermarks = _Watermarks({tp: len(log) for tp, log in logs.items()})
+    scorer = _Scorer()
+    done = restore_partitions(scorer, Reader(_Committed(logs), watermarks), "cl", [0, 1], 5.0, keep=10)
+    assert watermarks.end_calls == 1 and scorer.reserved == 3 and done.read == 3
+    assert scorer.store == {"a": b"va", "b": b"vb", "c": b"vc"}
