@@ -77,8 +77,9 @@ class HybridDetector(RecurrentDetector):
         # fitted trees are piecewise constant, and run without autograd: no gradient to integrate
         return not bool(self.fitted)
 
-    def _score(self, x: Tensor, base_score: Tensor) -> Tensor:
-        # x [..., F + 1] (numeric features, terminal bucket), base_score [...] -> [...]
+    def head_score(self, x: Tensor, base_score: Tensor) -> Tensor:
+        """The score [...] of events x [..., F + 1] (numeric features, terminal bucket) that the base scored
+        base_score [...]: what the fitted trees make of both, base_score itself until they are fitted."""
         if not bool(self.fitted):
             return base_score
         rows = torch.cat([x[..., :-1], base_score[..., None]], -1)  # [..., K]
@@ -91,11 +92,11 @@ class HybridDetector(RecurrentDetector):
         self, x: Tensor, state: State | None = None, lengths: Tensor | None = None
     ) -> tuple[Tensor, State]:
         scores, final = self.base(x, state, lengths)  # [B, T]
-        return self._score(x, scores), final
+        return self.head_score(x, scores), final
 
     def step(self, x_t: Tensor, state: State) -> tuple[Tensor, State]:
         scores, new_state = self.base.step(x_t, state)  # [B]
-        return self._score(x_t, scores), new_state
+        return self.head_score(x_t, scores), new_state
 
     def step_in_place(self, x: Tensor, table: State, rows: Tensor) -> Tensor:
-        return self._score(x, self.base.step_in_place(x, table, rows))
+        return self.head_score(x, self.base.step_in_place(x, table, rows))

@@ -4,7 +4,8 @@ training diagnostics and the GPU check all measure (serving must reproduce train
 - `random_events`: valid random events [B, T, F] for a detector;
 - `step_through`: the serving path, one `step` per event;
 - `forward_in_chunks`: the training path, forward over consecutive chunks with the state carried;
-- `step_vs_forward_error`: how far the first is from one whole forward.
+- `both_paths`: the scores of one whole forward and of stepping through, for a caller that reads both;
+- `step_vs_forward_error`: how far the two are apart (`paths_error` of what `both_paths` gives).
 """
 
 import torch
@@ -86,10 +87,22 @@ def forward_in_chunks(
 
 
 @torch.inference_mode()
+def both_paths(
+    detector: RecurrentDetector, x: Tensor, lengths: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Scores [B, T] of one forward over x [B, T, F] and of stepping through it (NaN past lengths[b])."""
+    whole, _ = detector(x, lengths=lengths)
+    stepped, _ = step_through(detector, x, lengths=lengths)
+    return whole, stepped
+
+
+def paths_error(whole: Tensor, stepped: Tensor, lengths: Tensor | None = None) -> float:
+    """Max |whole - stepped| of scores [B, T] over the valid events (all, or each account's first lengths[b])."""
+    valid = valid_mask(None if lengths is None else lengths.to(whole.device), *whole.shape, whole.device)
+    return (whole[valid].double() - stepped[valid].double()).abs().max().item()
+
+
 def step_vs_forward_error(detector: RecurrentDetector, x: Tensor, lengths: Tensor | None = None) -> float:
     """Max |score difference| between one forward over x [B, T, F] and stepping through it, over the valid
     events (all, or each account's first lengths[b])."""
-    whole, _ = detector(x, lengths=lengths)
-    stepped, _ = step_through(detector, x, lengths=lengths)
-    valid = valid_mask(None if lengths is None else lengths.to(x.device), *x.shape[:2], x.device)
-    return (whole[valid].double() - stepped[valid].double()).abs().max().item()
+    return paths_error(*both_paths(detector, x, lengths), lengths)
