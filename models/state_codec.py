@@ -122,9 +122,28 @@ def decode_state_rows(detector: RecurrentDetector, rows: np.ndarray) -> State:
         width = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
         chunk = rows[:, offset : offset + width].copy()  # contiguous rows, writable, aligned
         tensor = torch.from_numpy(chunk).view(dtype).reshape(len(rows), *shape)
+        _check_values(detector, key, tensor)
         state[key] = tensor.to(detector.device)
         offset += width
     return state
+
+
+def _check_values(detector: RecurrentDetector, key: str, tensor: torch.Tensor) -> None:
+    """Refuse values no step can write: a float that is not finite, or a negative count (the integer
+    tensors count events). Restored, either would make every later score of its account NaN, or raise."""
+    flat = tensor.reshape(len(tensor), -1)  # [B, values]
+    bad = ~torch.isfinite(flat) if tensor.is_floating_point() else flat < 0
+    rows = torch.nonzero(bad.any(dim=1)).flatten()
+    if len(rows):
+        what = (
+            "holds a value that is not finite (NaN or infinity)"
+            if tensor.is_floating_point()
+            else "is negative"
+        )
+        raise ValueError(
+            f"state record {int(rows[0])}: {detector.name!r} state {key!r} {what}, which no step writes: the "
+            "record is corrupt; rebuild the state by replaying the account's history"
+        )
 
 
 def encode_account_state(detector: RecurrentDetector, state: State) -> bytes:

@@ -33,7 +33,7 @@ import torch
 
 from models.contract import RecurrentDetector
 from pipeline.features.definitions import FEATURE_VERSION
-from pipeline.features.state import ACCOUNT_STATE
+from pipeline.features.state import ACCOUNT_STATE, MAX_TS_US, record_fault, record_faults
 from pipeline.features.state import STATE_VERSION as FEATURIZER_STATE_VERSION
 
 MAGIC = b"TXSA"
@@ -182,8 +182,14 @@ def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
             "record is truncated or corrupt"
         )
     features_at = start + 8 * n_ids
+    features = bytes(data[features_at : features_at + n_feat])
+    fault = _bookkeeping_fault(partition, offset, last_ts) or record_fault(
+        np.frombuffer(features, dtype=ACCOUNT_STATE)[0]
+    )
+    if fault:
+        raise ValueError(f"{where}: {fault}, which no events give: the record is corrupt; {_REBUILD}")
     return AccountRecord(
-        features=bytes(data[features_at : features_at + n_feat]),
+        features=features,
         detector=bytes(data[features_at + n_feat :]),
         model=model,
         partition=partition,
@@ -192,6 +198,14 @@ def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
         recent_ids=bytes(data[start:features_at]) or _NO_IDS,
         recent_next=recent_next,
     )
+
+
+def _bookkeeping_fault(partition: int, offset: int, last_ts_us: int) -> str | None:
+    if partition < NO_POSITION or offset < NO_POSITION:
+        return f"source position ({partition}, {offset}), expected a Kafka partition and offset"
+    if last_ts_us != NO_TS and not 0 <= last_ts_us <= MAX_TS_US:
+        return f"newest ts {last_ts_us}, expected 0..{MAX_TS_US} microseconds since the epoch"
+    return None
 
 
 def decode_account_records(values: list[bytes]) -> np.ndarray | None:
@@ -225,6 +239,13 @@ def bad_account_records(records: np.ndarray) -> np.ndarray:
         | (header["recent_next"] >= RECENT_EVENT_IDS)
         | (header["features_bytes"] != ACCOUNT_STATE.itemsize)
         | (header["detector_bytes"] != records.dtype["detector"].itemsize)
+        | (header["partition"] < NO_POSITION)
+        | (header["offset"] < NO_POSITION)
+        | (
+            (header["last_ts_us"] != NO_TS)
+            & ((header["last_ts_us"] < 0) | (header["last_ts_us"] > MAX_TS_US))
+        )
+        | record_faults(records["features"])
     )
     return np.flatnonzero(wrong)
 

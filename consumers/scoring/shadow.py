@@ -147,7 +147,12 @@ class ShadowModel:
         keep = np.flatnonzero(current)
         if len(keep) == 0:
             return 0
-        state = decode_state_rows(self.detector, records["detector"][keep])
+        try:
+            state = decode_state_rows(self.detector, records["detector"][keep])
+        except ValueError as error:  # "state record i: ..." -> the account's name
+            at = int(keep[int(str(error).split(":")[0].removeprefix("state record "))])
+            self._restore_one(ids[at], chunk[at], champion)
+            raise
         rows = self.store.rows([ids[i] for i in keep.tolist()])
         self.store.scatter(rows, state)
         self.mirror([ids[i] for i in keep.tolist()], champion)

@@ -16,7 +16,7 @@ import numpy as np
 
 from consumers.scoring.message_limits import MessageError
 from consumers.terminals.table import HEADER_SIZE, check_header, pack_header
-from pipeline.features.stream import MAX_EPOCH_DAY
+from pipeline.features.state import MAX_EPOCH_DAY
 from pipeline.features.stream_batches import TerminalOp
 
 _MAGIC = b"TXD1"

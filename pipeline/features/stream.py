@@ -46,6 +46,7 @@ from pipeline.features.definitions import (
 )
 from pipeline.features.state import (
     ACCOUNT_STATE,
+    MAX_EPOCH_DAY,
     TERMINAL_STATE,
     StateTable,
     add_to_ring,
@@ -72,8 +73,7 @@ class _FraudLabels:
     events: np.ndarray
 
 
-_DAY_SPAN = 1 << 20  # composite key = code * _DAY_SPAN + day; epoch days stay far below 2**20
-MAX_EPOCH_DAY = _DAY_SPAN - 1  # the last day (in 4840) a composite key holds: callers keep days within
+_DAY_SPAN = MAX_EPOCH_DAY + 1  # composite key = code * _DAY_SPAN + day; epoch days stay far below 2**20
 
 
 def _entity_batch(table: StateTable, keys: Sequence[str], days: np.ndarray):

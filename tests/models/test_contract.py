@@ -167,6 +167,23 @@ def test_codec_refuses_records_it_cannot_read_and_says_why(name):
     assert len(record) > header + 8
 
 
+def test_codec_refuses_a_record_holding_what_no_step_writes(name):
+    # A record with a sound header but a NaN, an infinity or a negative event count in its payload would
+    # make every later score of its account NaN (or raise): it is refused by name, not restored.
+    detector = make_detector(name, torch.float32)
+    state = detector.init_state(2)
+    good = encode_state(detector, state)
+    for key, value in state.items():
+        for bad in (float("nan"), float("inf")) if value.is_floating_point() else (-1,):
+            broken = {k: v.clone() for k, v in state.items()}
+            broken[key].view(2, -1)[1, -1] = bad
+            with pytest.raises(
+                ValueError, match=rf"state record 1: '{name}' state '{key}' .* the record is corrupt"
+            ):
+                decode_state(detector, [good[0], encode_state(detector, broken)[1]])
+    assert states_equal(decode_state(detector, good), state)
+
+
 def test_padding_never_changes_state_and_any_filler_is_harmless(name):
     detector = make_detector(name)
     lengths = torch.tensor([20, 9, 1, 0])

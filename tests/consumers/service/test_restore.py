@@ -3,6 +3,8 @@ at a time; new partitions wait, paused, for the committed offsets to be fetched 
 changelog read asks for its end offsets once; an aborted batch lets go of its own accounts only; a commit that
 missed a cooperative rebalance is read again without leaving the group. The broker-backed versions are in tests/integration/test_service_restore.py."""
 
+import dataclasses
+import struct
 from datetime import timedelta
 
 import numpy as np
@@ -14,6 +16,7 @@ from kafka.structs import ConsumerGroupMetadata, TopicPartition
 
 import consumers.service.restore as restore_module
 from consumers.runtime.compacted import Reader
+from consumers.scoring.account_state import decode_account_record
 from consumers.scoring.messages import transactions_from_frame
 from consumers.scoring.scorer import Scorer
 from consumers.service.dormant import DormantStates
@@ -21,6 +24,7 @@ from consumers.service.state_restore import restore_partitions
 from models.registry import REGISTRY, build_detector
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features import FEATURE_NAMES, compute_features, fit_feature_spec
+from pipeline.features.state import ACCOUNT_STATE
 from pipeline.registry.artifact import LoadedModel
 from tests.consumers.service.test_loop import P0, P1, make_service, records, scripted_loop
 
@@ -213,3 +217,49 @@ def test_a_changelog_restore_asks_for_the_end_offsets_once_and_reserves_and_read
     done = restore_partitions(scorer, Reader(_Committed(logs), watermarks), "cl", [0, 1], 5.0, keep=10)
     assert watermarks.end_calls == 1 and scorer.reserved == 3 and done.read == 3
     assert scorer.store == {"a": b"va", "b": b"vb", "c": b"vc"}
+
+
+def _features(**values):
+    def change(record):
+        features = np.frombuffer(record.features, dtype=ACCOUNT_STATE).copy()
+        for name, value in values.items():
+            features[name].flat[0] = value
+        return dataclasses.replace(record, features=features.tobytes())
+
+    return change
+
+
+def _nan_state(record):
+    return dataclasses.replace(record, detector=record.detector[:-4] + struct.pack("<f", float("nan")))
+
+
+@pytest.mark.parametrize(
+    "corrupt, reason",
+    [
+        (_nan_state, "'lstm' state 'h' holds a value that is not finite"),
+        (_features(sum_log_amount=float("nan")), "sum_log_amount = nan, expected a finite sum >= 0"),
+        (_features(count=-5), "count = -5, expected a count >= 0"),
+        (_features(max_day=2**31 - 1), "max_day = 2147483647, expected an epoch day"),
+        (_features(day=-7), "day = -7, expected an epoch day"),
+        (_features(last_ts_us=2**63 - 1), "last_ts_us = 9223372036854775807, expected 0.."),
+        (
+            lambda r: dataclasses.replace(r, last_ts_us=2**63 - 1),
+            "newest ts 9223372036854775807, expected 0..",
+        ),
+        (lambda r: dataclasses.replace(r, offset=-9), r"source position \(-1, -9\)"),
+    ],
+)
+def test_a_record_holding_what_no_events_give_is_refused_naming_the_account(frame, corrupt, reason):
+    # Restored, a NaN in a state makes every later score of the account fail, and a day past the composite
+    # keys' range spills into the other accounts of its batches: a corrupt record is refused, not applied.
+    txs = transactions_from_frame(frame.head(300))
+    source = Scorer(loaded("lstm", frame))
+    source.score(txs)
+    accounts = sorted(source.accounts_in_memory)
+    values = source.account_states_bytes(accounts)
+    values[3] = corrupt(decode_account_record(values[3])).to_bytes()
+    match = f"account state record of {accounts[3]!r}: {reason}.* the record is corrupt"
+    with pytest.raises(ValueError, match=match):
+        Scorer(loaded("lstm", frame)).restore_accounts(accounts, values)
+    with pytest.raises(ValueError, match=match):
+        Scorer(loaded("lstm", frame)).restore_account(accounts[3], values[3])
