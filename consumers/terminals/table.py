@@ -31,11 +31,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from consumers.runtime.compacted import Reader, read_latest
 from consumers.runtime.topics import TABLE_PARTITIONS
 from consumers.scoring.message_limits import MessageError
 from pipeline.features.definitions import FEATURE_VERSION
-from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable
+from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable, record_fault, record_faults
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,22 @@ def flush_records(
     return out
 
 
+def _check_records(topic: str, table: StateTable) -> None:
+    """Refuse a terminal record that no events and labels give (a day past the stream's range, a negative
+    count: pipeline/features/state.py's record_faults), naming it: restored, it would read as garbage ever
+    after, and a day past the range spills into the windows of the other terminals of a batch."""
+    keys = list(table.slot_of)
+    slots = np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))
+    bad = np.flatnonzero(record_faults(table.records[slots]))
+    if len(bad):
+        raise ValueError(
+            f"terminal table record of {keys[bad[0]]!r} in {topic!r}: {record_fault(table.records[slots[bad[0]]])}, "
+            "which no events or labels give: the record is corrupt. Write a tombstone under its key (the "
+            "terminal's counts start again from the deltas and labels after the table's positions), or point "
+            "terminal_table_topic at a new topic"
+        )
+
+
 def read_table(
     reader: Reader, topic: str, labels_topic: str, deltas_topic: str, timeout_s: float
 ) -> tuple[StateTable, Positions]:
@@ -159,6 +177,7 @@ def read_table(
     for key, value in latest.items():
         if value is not None:  # None: a tombstone (a terminal deleted by hand)
             table.put_bytes(key, decode_terminal(key, value))
+    _check_records(topic, table)
     log.info(
         "terminal table read topic=%s records=%d terminals=%d positions=%s seconds=%.3f",
         topic, read, len(table), positions, time.monotonic() - started,

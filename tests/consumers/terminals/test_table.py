@@ -41,6 +41,31 @@ def test_a_record_of_another_version_or_layout_is_refused_with_what_to_do():
         terminal_table.decode_terminal("t1", b"nope")
 
 
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("max_day", 2**31 - 1, "max_day = 2147483647, expected an epoch day"),
+        ("report_count", -1, "report_count = -1, expected a count >= 0"),
+        ("reported_day", -5, "reported_day = -5, expected an epoch day"),
+    ],
+)
+def test_a_table_record_no_events_give_is_refused_naming_the_terminal(monkeypatch, field, value, reason):
+    # A day past the stream's range would spill into the windows of the other terminals of every batch.
+    source = featurizer_with_two_terminals()
+    broken = np.frombuffer(source.terminals.get_bytes("t2"), dtype=TERMINAL_STATE).copy()
+    broken[field].flat[0] = value
+    latest = {
+        "t1": terminal_table.encode_terminal(source.terminals.get_bytes("t1")),
+        "t2": terminal_table.encode_terminal(broken.tobytes()),
+    }
+    monkeypatch.setattr(terminal_table, "read_latest", lambda *args, **kwargs: (dict(latest), 2))
+    with pytest.raises(ValueError, match=rf"terminal table record of 't2' in 'table': {reason}.* corrupt"):
+        terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
+    latest["t2"] = terminal_table.encode_terminal(source.terminals.get_bytes("t2"))
+    table, _ = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
+    assert table.get_bytes("t2") == source.terminals.get_bytes("t2")
+
+
 def test_a_delta_of_another_version_is_refused_and_garbage_is_a_message_error_to_skip():
     delta = terminal_deltas.encode_deltas([TerminalOp("events", ["a"], np.array([1], dtype=np.int64))])
     newer = delta[:4] + (99).to_bytes(2, "little") + delta[6:]
