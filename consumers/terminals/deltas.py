@@ -14,13 +14,14 @@ import json
 
 import numpy as np
 
-from consumers.scoring.message_limits import MessageError
+from consumers.scoring.message_limits import MessageError, MessageLimits, text
 from consumers.terminals.table import HEADER_SIZE, check_header, pack_header
 from pipeline.features.state import MAX_EPOCH_DAY
 from pipeline.features.stream_batches import TerminalOp
 
 _MAGIC = b"TXD1"
 _EVENTS = "events"
+_DEFAULT_LIMITS = MessageLimits()
 
 
 def encode_deltas(ops: list[TerminalOp]) -> bytes | None:
@@ -37,17 +38,26 @@ def encode_deltas(ops: list[TerminalOp]) -> bytes | None:
     return pack_header(_MAGIC) + json.dumps([terminals, days], separators=(",", ":")).encode()
 
 
-def decode_deltas(where: str, data: bytes, days: tuple[int, int] = (0, MAX_EPOCH_DAY)) -> TerminalOp:
-    """One delta value as an events op, its epoch days within `days` (first, last). A value that is not one:
-    MessageError naming `where` (its readers skip it, the table writer dead-letters it); one of another
-    version: ValueError saying what to do."""
+def decode_deltas(
+    where: str, data: bytes, days: tuple[int, int] = (0, MAX_EPOCH_DAY), limits: MessageLimits | None = None
+) -> TerminalOp:
+    """One delta value as an events op: a list of terminal ids as the transaction decoder accepts them under
+    `limits` (default MessageLimits()), and a list of as many integer epoch days within `days` (first,
+    last). A value that is not one: MessageError naming `where` (its readers skip it, the table writer
+    dead-letters it); one of another version: ValueError saying what to do."""
     check_header(f"terminal delta record at {where}", data, _MAGIC, "terminal_deltas_topic")
+    limits = _DEFAULT_LIMITS if limits is None else limits
     try:
         terminals, day_list = json.loads(data[HEADER_SIZE:])
-        # Ids as the decoder accepts them (printable: a lone surrogate would fail the table's key encoding)
-        if not all(isinstance(t, str) and t.isprintable() for t in terminals):
-            raise TypeError("a terminal id that is not a printable string")
-        op = TerminalOp(_EVENTS, list(terminals), np.asarray(day_list, dtype=np.int64))
+        if not isinstance(terminals, list) or not isinstance(day_list, list):
+            raise TypeError("expected [[terminal ids], [epoch days]]")
+        if not all(isinstance(terminal, str) for terminal in terminals):
+            raise TypeError("a terminal id that is not a string")
+        for terminal in set(terminals):  # no event could carry an id the decoder refuses
+            text(terminal, "terminal_id", limits)
+        if not all(type(day) is int for day in day_list):  # not a float, a bool or a string of digits
+            raise TypeError("an epoch day that is not an integer")
+        op = TerminalOp(_EVENTS, terminals, np.asarray(day_list, dtype=np.int64))
     # RecursionError: nested deeper than the parser goes; OverflowError: a day beyond int64
     except (ValueError, TypeError, RecursionError, OverflowError) as error:
         raise MessageError(f"terminal delta record at {where} does not decode: {error}"[:300]) from None

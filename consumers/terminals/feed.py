@@ -265,7 +265,7 @@ class FeedReader:
                 continue  # this instance folded those events as it scored them
             where = f"{record.topic}[{record.partition}]@{record.offset}"
             try:
-                out.deltas.append(decode_deltas(where, record.value or b"", days))
+                out.deltas.append(decode_deltas(where, record.value or b"", days, self.limits))
                 out.delta_records.append(record)
             except MessageError as error:  # its events are missing from the terminal counts from now on
                 log.warning("skipped a terminal delta record error=%s", error)

@@ -82,8 +82,22 @@ def test_a_delta_of_another_version_is_refused_and_garbage_is_a_message_error_to
         + b'[["a"],['
         + b"9" * 30
         + b"]]": r"deltas\[0\]@3 does not decode",
-        terminal_table.pack_header(b"TXD1") + b'[["\\ud800"],[1]]': "not a printable string",
-        terminal_table.pack_header(b"TXD1") + b'[[{"a":1}],[1]]': "not a printable string",
+        terminal_table.pack_header(b"TXD1") + b'[["\\ud800"],[1]]': "U\\+D800, a lone surrogate",
+        terminal_table.pack_header(b"TXD1") + b'[[{"a":1}],[1]]': "a terminal id that is not a string",
+        # what no decoded transaction carries: ids the decoder refuses, days that are not integers
+        terminal_table.pack_header(b"TXD1")
+        + b'["ab",[1,1]]': r"expected \[\[terminal ids\], \[epoch days\]\]",
+        terminal_table.pack_header(b"TXD1")
+        + b'[{"a":1},[1]]': r"expected \[\[terminal ids\], \[epoch days\]\]",
+        terminal_table.pack_header(b"TXD1") + b'[[""],[1]]': "expected a non-empty string",
+        terminal_table.pack_header(b"TXD1") + b'[["a\\u034fb"],[1]]': "U\\+034F, which prints as nothing",
+        terminal_table.pack_header(b"TXD1")
+        + b'[["'
+        + b"a" * 257
+        + b'"],[1]]': "257 characters; the limit is 256",
+        terminal_table.pack_header(b"TXD1") + b'[["a"],[1.5]]': "an epoch day that is not an integer",
+        terminal_table.pack_header(b"TXD1") + b'[["a"],["1"]]': "an epoch day that is not an integer",
+        terminal_table.pack_header(b"TXD1") + b'[["a"],[true]]': "an epoch day that is not an integer",
         terminal_table.pack_header(b"TXD1") + b'[["a"],[2000000]]': r"days 2000000\.\.2000000, outside",
     }
     for value, reason in garbage.items():
