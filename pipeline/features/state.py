@@ -6,6 +6,7 @@ A record's size never depends on history length, and its bytes are the unit the 
 """
 
 import json
+import math
 import struct
 
 import numpy as np
@@ -72,7 +73,8 @@ def record_faults(records: np.ndarray) -> np.ndarray:
     composite keys)."""
     bad = np.zeros(len(records), dtype=bool)
     for name in records.dtype.names:
-        bad |= _field_faults(name, records[name].reshape(len(records), -1)).any(axis=1)
+        width = math.prod(records.dtype[name].shape)  # 1 for a scalar field; explicit: N may be 0
+        bad |= _field_faults(name, records[name].reshape(len(records), width)).any(axis=1)
     return bad
 
 

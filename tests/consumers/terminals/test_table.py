@@ -64,6 +64,9 @@ def test_a_table_record_no_events_give_is_refused_naming_the_terminal(monkeypatc
     latest["t2"] = terminal_table.encode_terminal(source.terminals.get_bytes("t2"))
     table, _ = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
     assert table.get_bytes("t2") == source.terminals.get_bytes("t2")
+    latest.clear()  # a new deployment's table: nothing to check, nothing refused
+    table, _ = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
+    assert len(table) == 0
 
 
 def test_a_delta_of_another_version_is_refused_and_garbage_is_a_message_error_to_skip():
