@@ -147,6 +147,11 @@ class ServeConfig:
     # it again to `transactions` under its account's key (in the batch's transaction), so it is scored from
     # its account's partition, in order with the account's other events from there on.
     key_mismatch: str = "dead-letter"
+    # The rule the producers of `transactions` pick a keyed record's partition by, so that a record off its
+    # key's partition (sent to a partition named by hand) is caught as key_mismatch says: "murmur2" (the Java
+    # client, kafka-python, librdkafka's murmur2_random), "crc32" (librdkafka's default) or "unchecked"
+    # (a rule of the producers' own, trusted to keep each account on one partition).
+    producer_partitioner: str = "murmur2"
     # Fields of a transaction or label that the service does not know (real topics carry extra ones):
     # "ignore" reads the message and counts it (txsentinel_unknown_fields_total), "refuse" dead-letters it.
     unknown_fields: str = "ignore"

@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from consumers.runtime.key_partition import key_partition
 from consumers.runtime.settings_sources import env_name
 from models.checks import is_finite_number, is_integer, is_number
 
@@ -74,6 +75,7 @@ def check_settings(cfg: Any) -> None:
             f"serve config: key_mismatch = {cfg.key_mismatch!r}, expected 'dead-letter' or 'rekey' (write "
             "the record again under its account's key)"
         )
+    key_partition(cfg.producer_partitioner, 0)  # ValueError unless a known rule
     if cfg.lost_feed_position not in ("fail", "earliest"):
         raise ValueError(
             f"serve config: lost_feed_position = {cfg.lost_feed_position!r}, expected 'fail' (stop with what "

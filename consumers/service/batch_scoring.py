@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 from kafka.structs import OffsetAndMetadata
 
+from consumers.runtime.key_partition import key_partition
 from consumers.runtime.settings import ServeConfig
 from consumers.scoring.explain import encode_alert
 from consumers.scoring.message_limits import MessageError, MessageLimits
@@ -64,7 +65,9 @@ class BatchScorer:
         read_states: Callable[..., dict[str, bytes]],
         shadow: ShadowSide | None = None,
         changelog: str | None = None,
+        partitions: int = 0,
     ):
+        """`partitions`: of `transactions`, for the key's partition (0: unknown, not checked)."""
         self.scorer, self.feed = scorer, feed
         self.session = b""  # the key of this instance's deltas since its last restore (set by the service)
         self.dormant, self.read_states = (
@@ -81,6 +84,9 @@ class BatchScorer:
         # Input messages with fields of no known name (unknown_fields: ignore), transactions' and labels'.
         self.unknown = feed.unknown = UnknownFields()
         self.rekey = cfg.key_mismatch == "rekey"
+        # key -> the partition its producers put it on, or None: unchecked (consumers/runtime/key_partition.py)
+        self.home = key_partition(cfg.producer_partitioner, partitions)
+        self.partitioner = f"producer_partitioner {cfg.producer_partitioner}, {partitions} partitions"
         # Scores and alerts go to their input event's partition number when the topics have as many
         # partitions as `transactions` (those the service creates do): the key's partition under the default
         # partitioner, without kafka-python's pure-Python murmur2 per record (~10 us of a ~40 us send).
@@ -137,24 +143,35 @@ class BatchScorer:
                     log.exception("the decoder failed at %s", _where(record))
                     self._dead_letter(out, record, MessageError(f"the decoder failed: {error!r}"[:500]))
                     continue
-                if record.key != tx.account_id.encode():
-                    if self.rekey:  # to the partition its account's key picks; read from there, in order
-                        out.records.append((self.transactions_topic, tx.account_id, record.value, None))
-                        out.rekeyed += 1
-                        continue
-                    key = "missing" if record.key is None else f"{bytes(record.key)[:80]!r}"
-                    self._dead_letter(
-                        out,
-                        record,
-                        MessageError(
-                            f"record key {key} is not the body's account_id {tx.account_id!r}: the account's "
-                            "events must share one key, or its state splits over partitions (key_mismatch: "
-                            "rekey writes such a record again under its account's key)"
-                        ),
-                    )
-                    continue
-                events.append(_Event(record, tx))
+                error = self._off_its_partition(record, tx.account_id.encode())
+                if error is None:
+                    events.append(_Event(record, tx))
+                elif self.rekey:  # to the partition its account's key picks; read from there, in order
+                    home = None if self.home is None else self.home(tx.account_id.encode())
+                    out.records.append((self.transactions_topic, tx.account_id, record.value, home))
+                    out.rekeyed += 1
+                else:
+                    self._dead_letter(out, record, error)
         return events
+
+    def _off_its_partition(self, record, key: bytes) -> MessageError | None:
+        """Why `record` is not where its account's events are (None: it is): its record key is not `key`, the
+        account's, or the key belongs on another partition under the producers' partitioner."""
+        remedy = "key_mismatch: rekey writes such a record again under its account's key, to its partition"
+        if record.key != key:
+            shown = "missing" if record.key is None else f"{bytes(record.key)[:80]!r}"
+            return MessageError(
+                f"record key {shown} is not the body's account_id {key.decode()!r}: the account's events must "
+                f"share one key, or its state splits over partitions ({remedy})"
+            )
+        if self.home is not None and (home := self.home(key)) != record.partition:
+            return MessageError(
+                f"record on partition {record.partition}, but its key {key[:80]!r} belongs on partition {home} "
+                f"({self.partitioner}): its account's state lives with that partition, so here it would be "
+                f"scored without its history and split the state ({remedy}; producer_partitioner names the "
+                "producers' rule)"
+            )
+        return None
 
     def _score(self, out: ScoredBatch, events: list[_Event]) -> list[OutputRecord]:
         """Score events and encode everything their transaction writes; dead letters for the rejected."""

@@ -177,7 +177,7 @@ class _Service(Restore, Transactions, Bookkeeping):
             lambda wanted, topic=None: read_at(
                 self.restorer, topic or self.changelog, wanted, cfg.restore_timeout_s
             ),
-            self.shadow, self.changelog,
+            self.shadow, self.changelog, self.partitions,
         )  # fmt: skip
         self._restore_terminals()  # before joining the group: no event is scored without the table
         self.consumer = KafkaConsumer(

@@ -24,6 +24,7 @@ class Poison(NamedTuple):
     value: bytes | None
     reason: str  # words its dead-letter reason holds
     follows: str | None = None  # the event_id of the good event it comes right behind (a replay)
+    shift: int = 0  # sent this many partitions past its key's (0: by its key, as producers send)
 
 
 def transaction_poison(
@@ -154,6 +155,8 @@ def transaction_poison(
             other.account_id.encode()),
         bad("key_not_utf8", "a key that is not UTF-8",
             encode_transaction(base._replace(event_id="P-key_bytes")), "is not the body's account_id", b"\xff\xfe"),
+        Poison("off_its_partition", "the account's key, sent by hand to another partition: scored without its history there, its state split",
+               key, encode_transaction(base._replace(event_id="P-off_partition")), "belongs on partition", shift=1),
         bad("key_with_a_nul", "the account's key and a NUL byte: prints the same, hashes elsewhere",
             encode_transaction(base._replace(event_id="P-key_nul")), "is not the body's account_id", key + b"\x00"),
         # -- replays: a producer's retry, at another offset

@@ -128,11 +128,17 @@ def send_all(bootstrap: str, topic: str, entries: list[Entry]) -> list[tuple[int
     """Produce the entries in order, by key; the (partition, offset) of each."""
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     try:
-        futures = [producer.send(topic, key=e.key, value=e.value) for e in entries]
+        futures = [producer.send(topic, key=e.key, value=e.value, partition=_by_hand(e)) for e in entries]
         producer.flush()
         return [(f.get().partition, f.get().offset) for f in futures]
     finally:
         producer.close()
+
+
+def _by_hand(entry: Entry) -> int | None:
+    """The partition a poison record with a shift is sent to; None: by its key."""
+    shift = 0 if entry.poison is None else entry.poison.shift
+    return (partition_of(entry.key) + shift) % PARTITIONS if shift else None
 
 
 def serve_stream(bootstrap, cfg, model, stream: list[Entry], label_stream: list[Entry]) -> Outcome:

@@ -7,14 +7,17 @@ written again under its account's key, and the last resort that scores one event
 
 import json
 import time
+import zlib
 from collections import namedtuple
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from kafka.partitioner.default import DefaultPartitioner, murmur2
 from kafka.structs import TopicPartition
 
+from consumers.runtime.key_partition import key_partition
 from consumers.runtime.settings import load_serve_config
 from consumers.scoring.messages import Transaction, encode_transaction, format_ts
 from consumers.scoring.scorer import Scorer
@@ -122,11 +125,12 @@ class EmptyFeed:
         return FeedRead()
 
 
-def hostile_batch_scorer(scorer: Scorer, **settings) -> BatchScorer:
+def hostile_batch_scorer(scorer: Scorer, partitions: int = 0, **settings) -> BatchScorer:
     cfg = load_serve_config(None, overrides={"topic_prefix": "p-", **settings}, env={})
     batches = BatchScorer(
-        cfg, scorer, EmptyFeed(), "1", True, DormantStates(1_000), read_states=lambda wanted: {}
-    )
+        cfg, scorer, EmptyFeed(), "1", True, DormantStates(1_000), read_states=lambda wanted: {},
+        partitions=partitions,
+    )  # fmt: skip
     batches.session = b"me/1"
     scorer.featurizer.terminal_journal = []  # as the service's terminal restore leaves it
     return batches
@@ -136,11 +140,16 @@ def tx_value(event_id: str, account: str, ts_us: int, amount: float = 10.0, term
     return encode_transaction(Transaction(event_id, account, ts_us, amount, terminal))
 
 
-def polled(values: list[tuple[bytes | None, bytes | None]], offsets: list[int] | None = None) -> dict:
-    tp = TopicPartition("p-transactions", 0)
+def polled(
+    values: list[tuple[bytes | None, bytes | None]], offsets: list[int] | None = None, partition: int = 0
+) -> dict:
+    tp = TopicPartition("p-transactions", partition)
     offsets = range(len(values)) if offsets is None else offsets
     return {
-        tp: [Record(tp.topic, 0, o, key, value, 0) for o, (key, value) in zip(offsets, values, strict=True)]
+        tp: [
+            Record(tp.topic, partition, o, key, value, 0)
+            for o, (key, value) in zip(offsets, values, strict=True)
+        ]
     }
 
 
@@ -190,6 +199,49 @@ def test_a_record_under_another_key_is_written_again_under_its_accounts_key_when
     assert out.records == [("p-transactions", "A1", value, None)]  # to the partition A1's key picks
     assert (out.rekeyed, out.scored, out.dead_lettered) == (1, 0, 0)
     assert out.offsets  # the original's offset is consumed with the batch
+
+
+def test_a_record_off_its_keys_partition_is_refused_by_the_producers_rule_or_sent_home():
+    now = time.time_ns() // 1000
+    value = tx_value("E1", "A1", now - HOUR_US)
+    home = (murmur2(b"A1") & 0x7FFFFFFF) % 4
+    away = (home + 1) % 4
+    out = hostile_batch_scorer(tiny_scorer(), partitions=4).score(polled([(b"A1", value)], partition=away))
+    assert (out.scored, out.dead_lettered) == (0, 1)
+    assert (
+        f"record on partition {away}, but its key b'A1' belongs on partition {home}" in dead_letters(out)[0]
+    )
+    out = hostile_batch_scorer(tiny_scorer(), partitions=4).score(polled([(b"A1", value)], partition=home))
+    assert (out.scored, out.dead_lettered) == (1, 0)
+
+    rekeying = hostile_batch_scorer(tiny_scorer(), partitions=4, key_mismatch="rekey")
+    out = rekeying.score(polled([(b"A1", value)], partition=away))
+    assert out.records == [("p-transactions", "A1", value, home)]  # named: whatever the service's producer
+    out = rekeying.score(polled([(b"A9", value)], partition=away))  # another key: to A1's partition too
+    assert out.records == [("p-transactions", "A1", value, home)] and out.rekeyed == 1
+
+    crc32_home = zlib.crc32(b"A1") % 4
+    crc32 = hostile_batch_scorer(tiny_scorer(), partitions=4, producer_partitioner="crc32")
+    assert crc32.score(polled([(b"A1", value)], partition=crc32_home)).scored == 1
+    unchecked = hostile_batch_scorer(tiny_scorer(), partitions=4, producer_partitioner="unchecked")
+    assert unchecked.score(polled([(b"A1", value)], partition=away)).scored == 1
+
+
+def test_the_murmur2_rule_is_the_kafka_clients_default_partitioner():
+    partitions = set(range(7))
+    cluster = SimpleNamespace(
+        topics=lambda: {"t"},
+        partitions_for_topic=lambda t: partitions,
+        available_partitions_for_topic=lambda t: [],
+    )
+    home = key_partition("murmur2", len(partitions))
+    for key in [b"A1", b"account-000042", "k\u00e9y".encode(), b"\x00\xff" * 40]:
+        assert home(key) == DefaultPartitioner().partition("t", key, key, None, None, cluster)
+
+
+def test_an_unknown_producer_partitioner_is_refused_with_the_rules_there_are():
+    with pytest.raises(ValueError, match=r"producer_partitioner = 'fnv'.*'murmur2'.*'crc32'.*'unchecked'"):
+        load_serve_config(None, overrides={"producer_partitioner": "fnv"}, env={})
 
 
 def test_a_batch_at_more_new_terminals_than_the_cap_is_scored_whole_and_leaves_the_mark_held():
