@@ -44,8 +44,13 @@ def decode_deltas(
     """One delta value as an events op: a list of terminal ids as the transaction decoder accepts them under
     `limits` (default MessageLimits()), and a list of as many integer epoch days within `days` (first,
     last). A value that is not one: MessageError naming `where` (its readers skip it, the table writer
-    dead-letters it); one of another version: ValueError saying what to do."""
-    check_header(f"terminal delta record at {where}", data, _MAGIC, "terminal_deltas_topic")
+    dead-letters it), one of another version too: that stops no reader, and its text says what to do."""
+    try:
+        check_header(f"terminal delta record at {where}", data, _MAGIC, "terminal_deltas_topic")
+    except MessageError:
+        raise
+    except ValueError as error:  # another version's: one such record must not stop every scorer's feed
+        raise MessageError(f"{error} (skipped: its events are missing from the terminal counts)") from None
     limits = _DEFAULT_LIMITS if limits is None else limits
     try:
         terminals, day_list = json.loads(data[HEADER_SIZE:])

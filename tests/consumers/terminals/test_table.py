@@ -69,12 +69,12 @@ def test_a_table_record_no_events_give_is_refused_naming_the_terminal(monkeypatc
     assert len(table) == 0
 
 
-def test_a_delta_of_another_version_is_refused_and_garbage_is_a_message_error_to_skip():
+def test_a_delta_of_another_version_or_garbage_is_a_message_error_to_skip():
+    # Any instance, or anyone who can write the topic, can put one there: it must not stop every reader.
     delta = terminal_deltas.encode_deltas([TerminalOp("events", ["a"], np.array([1], dtype=np.int64))])
     newer = delta[:4] + (99).to_bytes(2, "little") + delta[6:]
-    with pytest.raises(ValueError, match=r"state version 99.*new topic and replay") as refused:
+    with pytest.raises(MessageError, match=r"state version 99.*new topic and replay.*skipped"):
         terminal_deltas.decode_deltas("deltas[0]@3", newer)
-    assert not isinstance(refused.value, MessageError), "a version mismatch must stop, not be skipped"
     garbage = {
         b"nope": "bad magic",
         terminal_table.pack_header(b"TXD1") + b"{not json": r"deltas\[0\]@3 does not decode",
