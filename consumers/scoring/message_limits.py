@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from models.checks import is_finite_number, is_integer, is_number
+from pipeline.data.ids import MAX_ID_CHARS, unseen_character
 
 MAX_MESSAGE_BYTES = 64 * 1024
 # A timestamp before earliest_ts (by default this one) or from 2100 on is a typo or a unit mix-up (seconds
@@ -35,15 +36,6 @@ UNKNOWN_FIELDS = ("ignore", "refuse")
 TIMESTAMP_FORMATS = ("iso8601", "epoch_ms")
 
 
-# Characters Python calls printable that render as nothing: Unicode's Default_Ignorable_Code_Point set
-# (DerivedCoreProperties.txt) less what isprintable() already refuses (the format controls, U+200B..U+200F,
-# U+202A..U+202E, U+2060.., U+FEFF: Cf), plus the Braille blank. Each makes an id look like another, or like
-# no id at all, in an alert, a log line or a dead letter.
-_INVISIBLE = re.compile(
-    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180d\u180f\u2800\u3164\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef]"
-)
-
-
 class MessageError(ValueError):
     """A message that cannot be scored; the text is the dead-letter reason."""
 
@@ -56,7 +48,7 @@ class MessageLimits:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     # The formats are flat objects (depth 1); nesting beyond this is refused before the parser sees it.
     max_json_depth: int = 8
-    max_id_chars: int = 256
+    max_id_chars: int = MAX_ID_CHARS
     max_amount: float = 1e9
     earliest_ts: str = "2000-01-01T00:00:00+00:00"  # ISO-8601 with an offset
     max_ts_skew_s: float = 3600.0  # how far after the decoder's clock a ts or label_ts may be
@@ -201,16 +193,8 @@ def text(value: object, field: str, limits, required: bool = True) -> str:
         raise MessageError(
             f"field {field!r}: {len(value)} characters; the limit is {limits.max_id_chars} (setting max_id_chars)"
         )
-    if not value.isprintable():  # C speed; only a refused value pays for the search below
-        bad = next(c for c in value if not c.isprintable())
-        kind = (
-            "a lone surrogate, which UTF-8 cannot encode" if 0xD800 <= ord(bad) <= 0xDFFF else "not printable"
-        )
-        raise MessageError(f"field {field!r}: {show(value)} holds U+{ord(bad):04X}, {kind}")
-    if invisible := _INVISIBLE.search(value):
-        raise MessageError(
-            f"field {field!r}: {show(value)} holds U+{ord(invisible.group()):04X}, which prints as nothing"
-        )
+    if unseen := unseen_character(value):  # pipeline/data/ids.py: the rule ingest keeps too
+        raise MessageError(f"field {field!r}: {show(value)} holds {unseen}")
     return value
 
 

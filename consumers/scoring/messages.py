@@ -20,7 +20,7 @@ MessageError, whose text is the reason a person can act on; the service sends su
   ignored and counted (UnknownFields), or refused with unknown_fields = refuse;
 - ids (event, account, terminal) and the optional texts of at most `max_id_chars` printable characters:
   no control, format or surrogate characters (a lone surrogate does not encode to UTF-8), no separators
-  but the space, nothing that prints as nothing (message_limits._INVISIBLE);
+  but the space, nothing that prints as nothing (pipeline/data/ids.py);
 - an amount that is a finite number, >= 0 and <= `max_amount`: an amount near the float maximum overflows
   the sums of the features;
 - timestamps (ts, label_ts) in the timestamp_format, ISO-8601 with a UTC offset or epoch milliseconds, not

@@ -16,6 +16,7 @@ from pathlib import Path
 import polars as pl
 
 from pipeline.data.dataset import QUARANTINE_FILE, write_dataset
+from pipeline.data.ids import MAX_ID_CHARS, id_problem
 from pipeline.data.mapping import Mapping, MappingError, SourceError, load_mapping
 from pipeline.data.schema import EARLIEST_TS, LATEST_TS, TRANSACTION_SCHEMA, TS_RANGE
 
@@ -290,6 +291,9 @@ def _checks(src: _Input) -> list[_Check]:
 
     for c in ID_COLUMNS:
         add(c, "empty", "empty id", empty(c), pl.lit("is empty; expected a non-empty id"))
+        unfit = pl.col(c).map_batches(_unfit_ids, return_dtype=pl.Boolean)
+        problem = pl.col(_raw(c)).cast(pl.String).map_batches(_id_problems, return_dtype=pl.String)
+        add(c, "unfit", "id the service refuses", unfit, problem)
     for c in ("ts", "label_ts"):
         if c in src.present:
             expected = src.mapping.timestamp(c).expected()
@@ -325,6 +329,23 @@ def _checks(src: _Input) -> list[_Check]:
     )
     add("event_id", "duplicate", "duplicate event_id", None, problem)
     return checks
+
+
+# Ids of printable ASCII within the length limit are fine: polars settles those, Python the rest (ids.py).
+_PLAIN_ID = f"^[ -~]{{0,{MAX_ID_CHARS}}}$"
+
+
+def _unfit_ids(ids: pl.Series) -> pl.Series:
+    """[N] whether each id breaks pipeline/data/ids.py's rule, which the service's decoder applies."""
+    others = ids.filter(~ids.str.contains(_PLAIN_ID)).unique().drop_nulls()
+    return ids.is_in([value for value in others.to_list() if id_problem(value)])
+
+
+def _id_problems(ids: pl.Series) -> pl.Series:
+    """[N] what is wrong with each id, with what was expected (null: nothing)."""
+    expected = f"expected printable, visible characters, at most {MAX_ID_CHARS}, as the service reads ids"
+    problems = [None if v is None or not (p := id_problem(v)) else f"{p}; {expected}" for v in ids.to_list()]
+    return pl.Series(problems, dtype=pl.String)
 
 
 def _explain(src: _Input, checks: list[_Check], bad: pl.DataFrame) -> pl.DataFrame:

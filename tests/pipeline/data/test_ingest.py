@@ -7,6 +7,8 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
+from consumers.scoring.message_limits import MessageError
+from consumers.scoring.messages import Transaction, decode_transaction, encode_transaction
 from pipeline.data.dataset import QUARANTINE_FILE, read_dataset, read_metadata
 from pipeline.data.ingest import IngestConfig, IngestError, ingest
 from pipeline.data.mapping import MappingError, load_mapping
@@ -525,3 +527,27 @@ def test_a_label_delay_past_ten_years_is_refused_in_one_line(days, tmp_path, cap
     assert read_dataset(tmp_path / "out")["label_ts"].to_list() == [
         utc(2018, 4, 1, 0, 9) + timedelta(days=3650)
     ]
+
+
+def test_ingest_keeps_exactly_the_ids_the_service_decodes(tmp_path):
+    # One rule for both (pipeline/data/ids.py): a row trained on must not carry an id the service refuses.
+    ids = ["A1", "A 1", "é-ok", "\U0001f600", "A\u200b1", "T\x01", "\u034f", "x" * 257, "\u2800", "a\ufe0fb"]
+    rows = "".join(f"E{i},{v},2026-03-01T12:00:00Z,1.5,T{i},0\n" for i, v in enumerate(ids))
+    csv = write(tmp_path / "t.csv", "event_id,account_id,ts,amount,terminal_id,is_fraud\n" + rows)
+    report = ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out", on_invalid="quarantine"))
+
+    def decodes(account: str) -> bool:
+        try:
+            decode_transaction(encode_transaction(Transaction("E", account, 1_772_366_400_000_000, 1.5, "T")))
+        except MessageError:
+            return False
+        return True
+
+    kept = read_dataset(tmp_path / "out")["account_id"].to_list()
+    assert kept == [v for v in ids if decodes(v)] == ["A1", "A 1", "é-ok", "\U0001f600"]
+    reasons = pl.read_parquet(tmp_path / "out" / QUARANTINE_FILE)["reason"].to_list()
+    assert (
+        "holds U+200B, not printable" in reasons[0] and "holds U+034F, which prints as nothing" in reasons[2]
+    )
+    assert "has 257 characters, over the limit of 256" in reasons[3]
+    assert report.rows_quarantined == 6
