@@ -75,7 +75,10 @@ def check_settings(cfg: Any) -> None:
             f"serve config: key_mismatch = {cfg.key_mismatch!r}, expected 'dead-letter' or 'rekey' (write "
             "the record again under its account's key)"
         )
-    key_partition(cfg.producer_partitioner, 0)  # ValueError unless a known rule
+    try:
+        key_partition(cfg.producer_partitioner, 0)
+    except ValueError as error:
+        raise ValueError(f"serve config: {error}") from None
     if cfg.lost_feed_position not in ("fail", "earliest"):
         raise ValueError(
             f"serve config: lost_feed_position = {cfg.lost_feed_position!r}, expected 'fail' (stop with what "

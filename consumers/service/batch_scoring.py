@@ -65,9 +65,9 @@ class BatchScorer:
         read_states: Callable[..., dict[str, bytes]],
         shadow: ShadowSide | None = None,
         changelog: str | None = None,
-        partitions: int = 0,
+        partitions: int | None = None,
     ):
-        """`partitions`: of `transactions`, for the key's partition (0: unknown, not checked)."""
+        """`partitions`: of `transactions`, to check each record is on its key's (None: not checked)."""
         self.scorer, self.feed = scorer, feed
         self.session = b""  # the key of this instance's deltas since its last restore (set by the service)
         self.dormant, self.read_states = (
@@ -85,7 +85,9 @@ class BatchScorer:
         self.unknown = feed.unknown = UnknownFields()
         self.rekey = cfg.key_mismatch == "rekey"
         # key -> the partition its producers put it on, or None: unchecked (consumers/runtime/key_partition.py)
-        self.home = key_partition(cfg.producer_partitioner, partitions)
+        if partitions is not None and partitions < 1:
+            raise ValueError(f"{cfg.topic('transactions')!r} has {partitions} partitions: nothing to read")
+        self.home = key_partition(cfg.producer_partitioner, partitions or 0)
         self.partitioner = f"producer_partitioner {cfg.producer_partitioner}, {partitions} partitions"
         # Scores and alerts go to their input event's partition number when the topics have as many
         # partitions as `transactions` (those the service creates do): the key's partition under the default
@@ -143,35 +145,30 @@ class BatchScorer:
                     log.exception("the decoder failed at %s", _where(record))
                     self._dead_letter(out, record, MessageError(f"the decoder failed: {error!r}"[:500]))
                     continue
-                error = self._off_its_partition(record, tx.account_id.encode())
-                if error is None:
-                    events.append(_Event(record, tx))
-                elif self.rekey:  # to the partition its account's key picks; read from there, in order
-                    home = None if self.home is None else self.home(tx.account_id.encode())
-                    out.records.append((self.transactions_topic, tx.account_id, record.value, home))
-                    out.rekeyed += 1
-                else:
-                    self._dead_letter(out, record, error)
+                key = tx.account_id.encode()
+                if record.key != key:
+                    if self.rekey:  # to the partition its account's key picks; read from there, in order
+                        home = None if self.home is None else self.home(key)
+                        out.records.append((self.transactions_topic, tx.account_id, record.value, home))
+                        out.rekeyed += 1
+                    else:
+                        self._dead_letter(out, record, _another_key(record.key, key))
+                    continue
+                if self.home is not None and (home := self.home(key)) != record.partition:
+                    # Never rekeyed: it has its key already, and sent again it could only go back and forth
+                    # between instances that disagree on the rule or the partition count.
+                    self._dead_letter(out, record, self._off_its_partition(record.partition, key, home))
+                    continue
+                events.append(_Event(record, tx))
         return events
 
-    def _off_its_partition(self, record, key: bytes) -> MessageError | None:
-        """Why `record` is not where its account's events are (None: it is): its record key is not `key`, the
-        account's, or the key belongs on another partition under the producers' partitioner."""
-        remedy = "key_mismatch: rekey writes such a record again under its account's key, to its partition"
-        if record.key != key:
-            shown = "missing" if record.key is None else f"{bytes(record.key)[:80]!r}"
-            return MessageError(
-                f"record key {shown} is not the body's account_id {key.decode()!r}: the account's events must "
-                f"share one key, or its state splits over partitions ({remedy})"
-            )
-        if self.home is not None and (home := self.home(key)) != record.partition:
-            return MessageError(
-                f"record on partition {record.partition}, but its key {key[:80]!r} belongs on partition {home} "
-                f"({self.partitioner}): its account's state lives with that partition, so here it would be "
-                f"scored without its history and split the state ({remedy}; producer_partitioner names the "
-                "producers' rule)"
-            )
-        return None
+    def _off_its_partition(self, partition: int, key: bytes, home: int) -> MessageError:
+        return MessageError(
+            f"record on partition {partition}, but its key {key[:80]!r} belongs on partition {home} "
+            f"({self.partitioner}): its account's state lives with that partition, so here it would be scored "
+            "without its history and split the state. Send it by its key; producer_partitioner names the "
+            "producers' rule"
+        )
 
     def _score(self, out: ScoredBatch, events: list[_Event]) -> list[OutputRecord]:
         """Score events and encode everything their transaction writes; dead letters for the rejected."""
@@ -272,6 +269,15 @@ class BatchScorer:
         if evicted:
             log.info("idle terminals evicted terminals=%d kept=%d", len(evicted), len(terminals))
         self.eviction.cap(terminals, now)
+
+
+def _another_key(record_key: bytes | None, key: bytes) -> MessageError:
+    shown = "missing" if record_key is None else f"{bytes(record_key)[:80]!r}"
+    return MessageError(
+        f"record key {shown} is not the body's account_id {key.decode()!r}: the account's events must share "
+        "one key, or its state splits over partitions (key_mismatch: rekey writes such a record again under "
+        "its account's key, to its partition)"
+    )
 
 
 def _where(record) -> str:

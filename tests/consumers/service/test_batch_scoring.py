@@ -125,7 +125,7 @@ class EmptyFeed:
         return FeedRead()
 
 
-def hostile_batch_scorer(scorer: Scorer, partitions: int = 0, **settings) -> BatchScorer:
+def hostile_batch_scorer(scorer: Scorer, partitions: int | None = None, **settings) -> BatchScorer:
     cfg = load_serve_config(None, overrides={"topic_prefix": "p-", **settings}, env={})
     batches = BatchScorer(
         cfg, scorer, EmptyFeed(), "1", True, DormantStates(1_000), read_states=lambda wanted: {},
@@ -201,7 +201,7 @@ def test_a_record_under_another_key_is_written_again_under_its_accounts_key_when
     assert out.offsets  # the original's offset is consumed with the batch
 
 
-def test_a_record_off_its_keys_partition_is_refused_by_the_producers_rule_or_sent_home():
+def test_a_record_off_its_keys_partition_is_refused_by_the_producers_rule_and_a_rekeyed_one_sent_home():
     now = time.time_ns() // 1000
     value = tx_value("E1", "A1", now - HOUR_US)
     home = (murmur2(b"A1") & 0x7FFFFFFF) % 4
@@ -215,16 +215,19 @@ def test_a_record_off_its_keys_partition_is_refused_by_the_producers_rule_or_sen
     assert (out.scored, out.dead_lettered) == (1, 0)
 
     rekeying = hostile_batch_scorer(tiny_scorer(), partitions=4, key_mismatch="rekey")
-    out = rekeying.score(polled([(b"A1", value)], partition=away))
-    assert out.records == [("p-transactions", "A1", value, home)]  # named: whatever the service's producer
-    out = rekeying.score(polled([(b"A9", value)], partition=away))  # another key: to A1's partition too
+    out = rekeying.score(polled([(b"A9", value)], partition=away))  # another key: to A1's partition
     assert out.records == [("p-transactions", "A1", value, home)] and out.rekeyed == 1
+    # Its own key, elsewhere: never sent again, which could only loop between instances of other rules.
+    out = rekeying.score(polled([(b"A1", value)], partition=away))
+    assert (out.rekeyed, out.dead_lettered) == (0, 1) and "Send it by its key" in dead_letters(out)[0]
 
     crc32_home = zlib.crc32(b"A1") % 4
     crc32 = hostile_batch_scorer(tiny_scorer(), partitions=4, producer_partitioner="crc32")
     assert crc32.score(polled([(b"A1", value)], partition=crc32_home)).scored == 1
     unchecked = hostile_batch_scorer(tiny_scorer(), partitions=4, producer_partitioner="unchecked")
     assert unchecked.score(polled([(b"A1", value)], partition=away)).scored == 1
+    with pytest.raises(ValueError, match="'p-transactions' has 0 partitions"):
+        hostile_batch_scorer(tiny_scorer(), partitions=0)
 
 
 def test_the_murmur2_rule_is_the_kafka_clients_default_partitioner():
