@@ -52,6 +52,7 @@ COVERED_ELSEWHERE = {
 SHRINK = [
     (r"--accounts 5000 --days 180", "--accounts 150 --days 45"),
     (r"--events 1000000", "--events 20000"),
+    (r"--terminals 1000000", "--terminals 20000"),
     (r"--events 50000", "--events 3000"),
     (r"max_epochs=10", "max_epochs=1"),
     # The quick profile's 12 epochs: the commands after training need a trained model, not a good one.

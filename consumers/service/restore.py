@@ -277,7 +277,7 @@ class Restore:
         cfg, featurizer = self.cfg, self.scorer.featurizer
         started = time.monotonic()
         self.feed.start_from_table(
-            featurizer, self.restorer, cfg.topic("terminal_table"), self.batches.eviction.row_limit
+            featurizer, self.restorer, cfg.topic("terminal_table"), row_limit=self.batches.eviction.row_limit
         )
         self.stats.restored_terminals += len(featurizer.terminals)
         featurizer.terminal_journal = []  # what the rewound batches folded is gone with the old table

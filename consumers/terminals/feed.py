@@ -147,7 +147,7 @@ class FeedReader:
         self.consumer.close()
 
     def start_from_table(
-        self, featurizer: StreamingFeaturizer, reader: Reader, table_topic: str, row_limit: int | None = None
+        self, featurizer: StreamingFeaturizer, reader: Reader, table_topic: str, *, row_limit: int | None
     ) -> None:
         """Replace the featurizer's terminal state with the table's (consumers/terminals/table.read_table) and
         go to the positions it reflects. What comes after them is still to be read. `row_limit`: where the

@@ -150,7 +150,9 @@ class TerminalTableWriter:
                 lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records), **security,
             )  # fmt: skip
             featurizer = StreamingFeaturizer()
-            feed.start_from_table(featurizer, reader, cfg.topic("terminal_table"), self.eviction.row_limit)
+            feed.start_from_table(
+                featurizer, reader, cfg.topic("terminal_table"), row_limit=self.eviction.row_limit
+            )
             self.probes.done("table")
             flushed_at = feed.positions()
             changed: set[str] = set()

@@ -58,7 +58,9 @@ def start_feed(cfg, bootstrap: str, lost_position: str, on_lost=None) -> tuple[F
         bootstrap, "test-lost-feed", reader, cfg.topic("labels"), cfg.topic("terminal_deltas"), 30.0,
         MessageLimits(), lost_position, on_lost,
     )  # fmt: skip
-    feed.start_from_table(StreamingFeaturizer(), reader, cfg.topic("terminal_table"))  # seeks labels to 1
+    feed.start_from_table(
+        StreamingFeaturizer(), reader, cfg.topic("terminal_table"), row_limit=None
+    )  # labels: 1
     return feed, reader
 
 
