@@ -59,6 +59,15 @@ def _payload_bytes(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> in
     return sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for _, shape, dtype in layout)
 
 
+class StateRecordError(ValueError):
+    """A state record this detector cannot load: `row`, its place in the batch decoded, and `reason`; the
+    text reads "state record ROW: REASON"."""
+
+    def __init__(self, row: int, reason: str):
+        super().__init__(f"state record {row}: {reason}")
+        self.row, self.reason = row, reason
+
+
 def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
     """One versioned record per account of a batched state."""
     return [row.tobytes() for row in encode_state_rows(detector, state)]
@@ -96,7 +105,7 @@ def decode_state(detector: RecurrentDetector, records: list[bytes]) -> State:
     expected = len(header) + _payload_bytes(layout)
     for i, record in enumerate(records):
         if len(record) != expected or not record.startswith(header):
-            raise ValueError(f"state record {i}: {_mismatch(detector, record, header, expected)}")
+            raise StateRecordError(i, _mismatch(detector, record, header, expected))
     rows = np.frombuffer(b"".join(records), dtype=np.uint8).reshape(len(records), expected)
     return decode_state_rows(detector, rows)
 
@@ -111,12 +120,10 @@ def decode_state_rows(detector: RecurrentDetector, rows: np.ndarray) -> State:
     expected = len(header) + _payload_bytes(layout)
     if rows.ndim != 2 or rows.shape[1] != expected:
         first = bytes(rows[0]) if rows.ndim == 2 and len(rows) else b""
-        raise ValueError(f"state record 0: {_mismatch(detector, first, header, expected)}")
+        raise StateRecordError(0, _mismatch(detector, first, header, expected))
     bad = np.flatnonzero((rows[:, : len(header)] != np.frombuffer(header, dtype=np.uint8)).any(axis=1))
     if len(bad):
-        raise ValueError(
-            f"state record {bad[0]}: {_mismatch(detector, bytes(rows[bad[0]]), header, expected)}"
-        )
+        raise StateRecordError(int(bad[0]), _mismatch(detector, bytes(rows[bad[0]]), header, expected))
     state, offset = {}, len(header)
     for key, shape, dtype in layout:
         width = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
@@ -140,9 +147,10 @@ def _check_values(detector: RecurrentDetector, key: str, tensor: torch.Tensor) -
             if tensor.is_floating_point()
             else "is negative"
         )
-        raise ValueError(
-            f"state record {int(rows[0])}: {detector.name!r} state {key!r} {what}, which no step writes: the "
-            "record is corrupt; rebuild the state by replaying the account's history"
+        raise StateRecordError(
+            int(rows[0]),
+            f"{detector.name!r} state {key!r} {what}, which no step writes: the record is corrupt; rebuild the "
+            "state by replaying the account's history",
         )
 
 

@@ -27,7 +27,7 @@ from consumers.scoring.account_state import (
     decode_account_records,
     encode_account_records,
 )
-from models.state_codec import decode_account_state, decode_state_rows, encode_state_rows
+from models.state_codec import StateRecordError, decode_account_state, decode_state_rows, encode_state_rows
 from pipeline.features.state import ACCOUNT_STATE
 from pipeline.features.stream_batches import FeaturizerCheckpoint
 
@@ -140,9 +140,8 @@ class HeldAccounts:
         record = decode_account_record(data, account_id)
         try:
             state = decode_account_state(self.detector, record.detector)  # [1, ...]
-        except ValueError as error:
-            reason = str(error).removeprefix("state record 0: ")  # decode_state numbers its records
-            raise ValueError(f"account state record of {account_id!r}: {reason}") from None
+        except StateRecordError as error:
+            raise ValueError(f"account state record of {account_id!r}: {error.reason}") from None
         if record.model != self.model_fingerprint:
             raise ValueError(
                 f"account state record of {account_id!r} was written by another {self.detector.name!r} model "
@@ -190,9 +189,8 @@ class HeldAccounts:
                 self.restore_account(ids[first], chunk[first])  # raises with what is wrong and what to do
             try:
                 state = decode_state_rows(self.detector, records["detector"])  # [n, ...]
-            except ValueError as error:  # "state record i: ..." -> the account's name
-                at = int(str(error).split(":")[0].removeprefix("state record "))
-                self.restore_account(ids[at], chunk[at])
+            except StateRecordError as error:  # -> the account's name
+                self.restore_account(ids[error.row], chunk[error.row])
                 raise
             header = records["header"]
             if self.shadow is not None:

@@ -31,7 +31,7 @@ from consumers.scoring.account_state import (
     model_fingerprint,
 )
 from consumers.scoring.state_store import StateStore
-from models.state_codec import decode_account_state, decode_state_rows, encode_state_rows
+from models.state_codec import StateRecordError, decode_account_state, decode_state_rows, encode_state_rows
 from pipeline.features.spec import FeatureSpec
 from pipeline.registry.artifact import DEFAULT_THRESHOLD, LoadedModel
 
@@ -149,8 +149,8 @@ class ShadowModel:
             return 0
         try:
             state = decode_state_rows(self.detector, records["detector"][keep])
-        except ValueError as error:  # "state record i: ..." -> the account's name
-            at = int(keep[int(str(error).split(":")[0].removeprefix("state record "))])
+        except StateRecordError as error:  # -> the account's name
+            at = int(keep[error.row])
             self._restore_one(ids[at], chunk[at], champion)
             raise
         rows = self.store.rows([ids[i] for i in keep.tolist()])
