@@ -201,11 +201,20 @@ def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
 
 
 def _bookkeeping_fault(partition: int, offset: int, last_ts_us: int) -> str | None:
-    if partition < NO_POSITION or offset < NO_POSITION:
+    if _position_faults(partition, offset):
         return f"source position ({partition}, {offset}), expected a Kafka partition and offset"
-    if last_ts_us != NO_TS and not 0 <= last_ts_us <= MAX_TS_US:
+    if _ts_faults(last_ts_us):
         return f"newest ts {last_ts_us}, expected 0..{MAX_TS_US} microseconds since the epoch"
     return None
+
+
+# The header's bookkeeping rules, for one record (ints) or many ([N] arrays) alike.
+def _position_faults(partition, offset):
+    return (partition < NO_POSITION) | (offset < NO_POSITION)
+
+
+def _ts_faults(last_ts_us):
+    return (last_ts_us != NO_TS) & ((last_ts_us < 0) | (last_ts_us > MAX_TS_US))
 
 
 def decode_account_records(values: list[bytes]) -> np.ndarray | None:
@@ -239,12 +248,8 @@ def bad_account_records(records: np.ndarray) -> np.ndarray:
         | (header["recent_next"] >= RECENT_EVENT_IDS)
         | (header["features_bytes"] != ACCOUNT_STATE.itemsize)
         | (header["detector_bytes"] != records.dtype["detector"].itemsize)
-        | (header["partition"] < NO_POSITION)
-        | (header["offset"] < NO_POSITION)
-        | (
-            (header["last_ts_us"] != NO_TS)
-            & ((header["last_ts_us"] < 0) | (header["last_ts_us"] > MAX_TS_US))
-        )
+        | _position_faults(header["partition"], header["offset"])
+        | _ts_faults(header["last_ts_us"])
         | record_faults(records["features"])
     )
     return np.flatnonzero(wrong)

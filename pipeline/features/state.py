@@ -21,9 +21,8 @@ from pipeline.features.definitions import (
 )
 
 STATE_VERSION = 1
-MAX_EPOCH_DAY = (
-    1 << 20
-) - 1  # the last day (in 4840) the stream's composite keys hold: callers keep days within
+# The last day (in 4840) the stream's composite keys hold: callers keep days within.
+MAX_EPOCH_DAY = (1 << 20) - 1
 MAX_TS_US = (MAX_EPOCH_DAY + 1) * DAY_US - 1
 _MAGIC = b"TXSF"
 _HEADER = struct.Struct("<4sHHI")  # magic, state version, feature version, json header length
