@@ -37,6 +37,10 @@ METRICS = {
     "txsentinel_labels_applied_total": ("counter", "Labels read from the labels topic and applied."),
     "txsentinel_batches_total": ("counter", "Polls processed and committed in one transaction each."),
     "txsentinel_duplicates_dropped_total": ("counter", "Redelivered events already applied (not rescored)."),
+    "txsentinel_positions_repaired_total": (
+        "counter",
+        "Events applied although their account's last applied position was past every offset read (corrupt).",
+    ),
     "txsentinel_replays_dropped_total": (
         "counter",
         "Events whose event_id their account had applied already, at another offset (dead-lettered).",

@@ -11,17 +11,24 @@ import numpy as np
 from consumers.scoring.state_store import StateStore
 
 
-def not_yet_applied(store: StateStore, rows: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, dict]:
-    """rows [N] (store rows), pos [N, 2] (partition, offset) -> keep [N] bool, and {row: (partition,
-    offset)} of each account's last kept event.
+def not_yet_applied(
+    store: StateStore, rows: np.ndarray, pos: np.ndarray, newest: dict[int, int]
+) -> tuple[np.ndarray, dict, list[int]]:
+    """rows [N] (store rows), pos [N, 2] (partition, offset), newest {partition: the highest offset read
+    from it so far, this batch's included} -> keep [N] bool, {row: (partition, offset)} of each account's
+    last kept event, and the events whose account's last applied position was past `newest`.
 
     An event is kept when its offset is past its account's last applied one in the same partition, events
     kept earlier in this batch included. An account's events come from one partition (the topic is keyed by
-    account); an event from another partition is applied and moves the account there.
+    account); an event from another partition is applied and moves the account there. A last applied
+    position past every offset read from its partition is one no event gave (a corrupt state record): it
+    would drop every later event of the account as applied already, so the event is kept, and named in the
+    third list, and its position replaces that one.
     """
     # A plain loop over plain ints: a few hundred events, well under a millisecond.
     last: dict[int, tuple[int, int]] = {}
     keep = np.ones(len(rows), dtype=bool)
+    ahead: list[int] = []
     partitions, offsets = pos[:, 0].tolist(), pos[:, 1].tolist()
     known = zip(store.partition[rows].tolist(), store.offset[rows].tolist(), strict=True)
     for i, (row, partition, offset, before) in enumerate(
@@ -29,10 +36,12 @@ def not_yet_applied(store: StateStore, rows: np.ndarray, pos: np.ndarray) -> tup
     ):
         last_partition, last_offset = last.get(row, before)
         if partition == last_partition and offset <= last_offset:
-            keep[i] = False
-        else:
-            last[row] = (partition, offset)
-    return keep, last
+            if last_offset <= newest[partition]:
+                keep[i] = False
+                continue
+            ahead.append(i)
+        last[row] = (partition, offset)
+    return keep, last, ahead
 
 
 def replayed(store: StateStore, rows: np.ndarray, hashes: np.ndarray, keep: np.ndarray) -> list[int]:

@@ -48,6 +48,8 @@ class ScorerStats:
     events_applied: int = 0
     duplicates_dropped: int = 0
     replays_dropped: int = 0  # an event_id its account had applied already, at another offset
+    # events applied although their account's last applied position was past every offset read (corrupt)
+    positions_repaired: int = 0
     not_finite: int = 0  # events whose feature row was not finite
     out_of_order: int = 0
     reasons_failed: int = 0  # alerts that went out without reasons: explaining them raised

@@ -102,6 +102,8 @@ class Scorer(HeldAccounts, HistoryReplay):
         self.store = StateStore(detector)
         self.model_fingerprint = model_fingerprint(detector)
         self.stats = ScorerStats()
+        # {partition: the highest offset read from it}: a state's last applied position past it is corrupt
+        self.newest_read: dict[int, int] = {}
         self.explainer = AlertExplainer(self.detector, reasons) if reasons else None
         self._reasons_log_at = 0.0  # time.monotonic() from which a failure to explain is logged again
         self._x_dtype = weights
@@ -205,6 +207,18 @@ class Scorer(HeldAccounts, HistoryReplay):
         self.featurizer.observe_labels(labels)
 
     @torch.inference_mode()
+    def _positions_ahead(self, events: EventBatch, ahead: list[int], pos: np.ndarray) -> None:
+        i = ahead[0]
+        account, (partition, offset) = events.account_ids[i], pos[i].tolist()
+        log.error(
+            "account state records past every offset read: accounts=%d first=%r partition=%d offset=%d "
+            "its_last_applied=%d; no event gave that position (a corrupt changelog record), and it would "
+            "drop every later event of the account as applied already: their events are applied and their "
+            "positions replaced",
+            len(ahead), account, partition, offset, int(self.store.offset[self.store.rows([account])[0]]),
+        )  # fmt: skip
+        self.stats.positions_repaired += len(ahead)
+
     def _score_batch(
         self,
         events: EventBatch,
@@ -220,7 +234,11 @@ class Scorer(HeldAccounts, HistoryReplay):
         keep = np.ones(n, dtype=bool)
         last_position = None
         if pos is not None:
-            keep, last_position = not_yet_applied(self.store, rows, pos)
+            for partition, offset in zip(pos[:, 0].tolist(), pos[:, 1].tolist(), strict=True):
+                self.newest_read[partition] = max(self.newest_read.get(partition, -1), offset)
+            keep, last_position, ahead = not_yet_applied(self.store, rows, pos, self.newest_read)
+            if ahead:
+                self._positions_ahead(events, ahead, pos)
         duplicates = n - int(keep.sum())
         rejected: list[Rejected] = []
         hashes = None

@@ -174,7 +174,7 @@ class BatchScorer:
         """Score events and encode everything their transaction writes; dead letters for the rejected."""
         records: list[OutputRecord] = []
         scorer = self.scorer
-        dropped_before = scorer.stats.duplicates_dropped
+        dropped_before, repaired_before = scorer.stats.duplicates_dropped, scorer.stats.positions_repaired
         scored = scorer.score_batch(
             [e.tx for e in events],
             [(e.record.partition, e.record.offset) for e in events],
@@ -186,6 +186,7 @@ class BatchScorer:
             out.dead_lettered += 1
             out.replays_dropped += rejected.replay
         out.duplicates_dropped += scorer.stats.duplicates_dropped - dropped_before
+        out.positions_repaired += scorer.stats.positions_repaired - repaired_before
         partition_of = {}
         values = encode_scores(scored.records, self.model_version, self.limits.timestamp_format)
         for i, (s, value) in enumerate(zip(scored.records, values, strict=True)):

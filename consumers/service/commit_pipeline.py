@@ -70,6 +70,7 @@ class ScoredBatch:
     alerts: int = 0
     dead_lettered: int = 0
     duplicates_dropped: int = 0
+    positions_repaired: int = 0  # events applied over a corrupt last applied position (Scorer stats)
     replays_dropped: int = 0  # events whose event_id was applied already (dead-lettered, in dead_lettered)
     rekeyed: int = 0  # records written again under their account's key (key_mismatch: rekey)
     careful: bool = False  # scored one event at a time: the last resort after a failed batch

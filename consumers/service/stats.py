@@ -92,6 +92,7 @@ class Bookkeeping:
         m.inc("txsentinel_alerts_total", out.alerts)
         m.inc("txsentinel_events_dead_lettered_total", out.dead_lettered)
         m.inc("txsentinel_duplicates_dropped_total", out.duplicates_dropped)
+        m.inc("txsentinel_positions_repaired_total", out.positions_repaired)
         m.inc("txsentinel_replays_dropped_total", out.replays_dropped)
         m.inc("txsentinel_records_rekeyed_total", out.rekeyed)
         m.inc("txsentinel_careful_batches_total", out.careful)

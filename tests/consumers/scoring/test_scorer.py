@@ -123,6 +123,22 @@ def test_a_fitted_hybrid_replays_as_it_runs_in_parallel(frame, features, spec):
 # -- exactly-once and ordering -------------------------------------------------------------------------
 
 
+def test_a_last_applied_position_past_every_offset_read_is_repaired_not_a_silent_drop(frame, spec):
+    # A corrupt changelog record could claim any offset: trusted, it would drop the account's events unseen.
+    scorer = Scorer(make_model("lstm", spec))
+    txs = transactions_from_frame(frame.head(300))
+    scorer.score(txs[:200], [(0, i) for i in range(200)])
+    account = txs[200].account_id
+    row = scorer.store.rows([account])[0]
+    scorer.store.offset[row] = 2**62  # what such a record restores
+    scored = scorer.score(txs[200:300], [(0, i) for i in range(200, 300)])
+    assert [r.event_id for r in scored] == [t.event_id for t in txs[200:300]]
+    assert (scorer.stats.positions_repaired, scorer.stats.duplicates_dropped) == (1, 0)
+    assert scorer.store.offset[row] == max(i for i in range(200, 300) if txs[i].account_id == account)
+    assert scorer.score(txs[200:300], [(0, i) for i in range(200, 300)]) == []  # redelivered: dropped
+    assert scorer.stats.duplicates_dropped == 100
+
+
 @pytest.mark.parametrize("name", DETECTORS)
 def test_duplicate_delivery_changes_nothing(name, frame, spec):
     model = make_model(name, spec)
