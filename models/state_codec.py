@@ -61,11 +61,12 @@ def _payload_bytes(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> in
 
 class StateRecordError(ValueError):
     """A state record this detector cannot load: `row`, its place in the batch decoded, and `reason`; the
-    text reads "state record ROW: REASON"."""
+    text reads "state record ROW: REASON". `corrupt`: the record is this detector's, but holds values no
+    step writes (otherwise it was written by another detector, config or version)."""
 
-    def __init__(self, row: int, reason: str):
+    def __init__(self, row: int, reason: str, corrupt: bool = False):
         super().__init__(f"state record {row}: {reason}")
-        self.row, self.reason = row, reason
+        self.row, self.reason, self.corrupt = row, reason, corrupt
 
 
 def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
@@ -151,6 +152,7 @@ def _check_values(detector: RecurrentDetector, key: str, tensor: torch.Tensor) -
             int(rows[0]),
             f"{detector.name!r} state {key!r} {what}, which no step writes: the record is corrupt; rebuild the "
             "state by replaying the account's history",
+            corrupt=True,
         )
 
 

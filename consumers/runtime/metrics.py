@@ -37,6 +37,10 @@ METRICS = {
     "txsentinel_labels_applied_total": ("counter", "Labels read from the labels topic and applied."),
     "txsentinel_batches_total": ("counter", "Polls processed and committed in one transaction each."),
     "txsentinel_duplicates_dropped_total": ("counter", "Redelivered events already applied (not rescored)."),
+    "txsentinel_states_discarded_total": (
+        "counter",
+        "Account state records refused as corrupt on restore or read back: those accounts start from no history.",
+    ),
     "txsentinel_positions_repaired_total": (
         "counter",
         "Events applied although their account's last applied position was past every offset read (corrupt).",

@@ -136,6 +136,12 @@ def encode_account_records(
     return [row.tobytes() for row in records]
 
 
+class CorruptRecordError(ValueError):
+    """An account state record of this model and version that holds what no events give (a NaN, a day out
+    of range, a position no event had, a truncated payload): its account can only start again from no
+    history, where a record of another model or version is a deployment to fix."""
+
+
 def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
     """Parse a record written by AccountRecord.to_bytes, checking its format and feature versions.
 
@@ -177,7 +183,7 @@ def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
             f"{where}: featurizer record of {n_feat} bytes, expected {ACCOUNT_STATE.itemsize}; {_REBUILD}"
         )
     if len(data) != start + 8 * n_ids + n_feat + n_det:
-        raise ValueError(
+        raise CorruptRecordError(
             f"{where}: {len(data)} bytes, but its header announces {start + 8 * n_ids + n_feat + n_det}: the "
             "record is truncated or corrupt"
         )
@@ -187,7 +193,7 @@ def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
         np.frombuffer(features, dtype=ACCOUNT_STATE)[0]
     )
     if fault:
-        raise ValueError(f"{where}: {fault}, which no events give: the record is corrupt; {_REBUILD}")
+        raise CorruptRecordError(f"{where}: {fault}, which no events give: the record is corrupt; {_REBUILD}")
     return AccountRecord(
         features=features,
         detector=bytes(data[features_at + n_feat :]),

@@ -22,6 +22,7 @@ import torch
 
 from consumers.scoring.account_state import (
     RECENT_EVENT_IDS,
+    CorruptRecordError,
     bad_account_records,
     decode_account_record,
     decode_account_records,
@@ -141,7 +142,8 @@ class HeldAccounts:
         try:
             state = decode_account_state(self.detector, record.detector)  # [1, ...]
         except StateRecordError as error:
-            raise ValueError(f"account state record of {account_id!r}: {error.reason}") from None
+            refused = CorruptRecordError if error.corrupt else ValueError
+            raise refused(f"account state record of {account_id!r}: {error.reason}") from None
         if record.model != self.model_fingerprint:
             raise ValueError(
                 f"account state record of {account_id!r} was written by another {self.detector.name!r} model "
@@ -167,46 +169,70 @@ class HeldAccounts:
         self.store.reserve(n)
 
     @torch.inference_mode()
-    def restore_accounts(self, account_ids: Sequence[str], values: Sequence[bytes]) -> None:
+    def restore_accounts(self, account_ids: Sequence[str], values: Sequence[bytes]) -> list[tuple[str, str]]:
         """restore_account of many accounts (distinct ids) with one decode and one scatter for all of them:
         a restore of a million accounts one at a time costs ~40 us each in Python alone.
 
-        Raises ValueError as restore_account does, naming the first record refused; the accounts before
-        it in a chunk of RESTORE_CHUNK may already be restored.
+        Corrupt records (CorruptRecordError) are left out, and so are their accounts (evicted, should memory
+        hold an older state of theirs: they start again from no history); returns (account, why) of each.
+        Raises ValueError as restore_account does for a record of another model or version, naming the
+        first; the accounts before it in a chunk of RESTORE_CHUNK may already be restored.
         """
+        corrupt: list[tuple[str, str]] = []
         for start in range(0, len(account_ids), RESTORE_CHUNK):
             ids = list(account_ids[start : start + RESTORE_CHUNK])
             chunk = values[start : start + RESTORE_CHUNK]
             records = decode_account_records(chunk)
             if records is None:  # older versions or several lengths: one at a time
                 for account, value in zip(ids, chunk, strict=True):
-                    self.restore_account(account, value)
+                    corrupt += self._restore_or_name(account, value)
                 continue
-            bad = bad_account_records(records)
             foreign = np.flatnonzero(records["header"]["model"] != self.model_fingerprint)
-            first = min([*bad[:1], *foreign[:1]], default=None)
-            if first is not None:
-                self.restore_account(ids[first], chunk[first])  # raises with what is wrong and what to do
-            try:
-                state = decode_state_rows(self.detector, records["detector"])  # [n, ...]
-            except StateRecordError as error:  # -> the account's name
-                self.restore_account(ids[error.row], chunk[error.row])
-                raise
-            header = records["header"]
-            if self.shadow is not None:
-                for account in ids:
-                    self.shadow.evict(account)  # as in restore_account
-            rows = _rows(self.store.slot_of, partial(self.store.add, overwritten=True), ids)
-            self.store.scatter(rows, state)  # with the bookkeeping below: every field of the rows
-            self.store.partition[rows] = header["partition"]
-            self.store.offset[rows] = header["offset"]
-            self.store.last_ts_us[rows] = header["last_ts_us"]
-            self.store.recent_ids[rows] = records["recent_ids"]
-            self.store.recent_next[rows] = header["recent_next"]
-            table = self.featurizer.accounts
-            slots = _rows(table.slot_of, table.add, ids)  # first: it may grow table.records
-            table.records[slots] = records["features"]
-            self._changed.difference_update(ids)  # memory now equals the records
+            refused = sorted({*bad_account_records(records).tolist(), *foreign.tolist()})
+            for at in refused:  # raises for another model or version; names a corrupt one
+                corrupt += self._restore_or_name(ids[at], chunk[at])
+            keep = np.setdiff1d(np.arange(len(ids)), refused)
+            while True:
+                try:
+                    state = decode_state_rows(self.detector, records["detector"][keep])  # [n, ...]
+                    break
+                except StateRecordError as error:  # -> the account's name; a corrupt one is left out
+                    at = int(keep[error.row])
+                    corrupt += self._restore_or_name(ids[at], chunk[at])
+                    keep = keep[keep != at]
+            self._scatter_records([ids[i] for i in keep.tolist()], records[keep], state)
+        return corrupt
+
+    def _restore_or_name(self, account_id: str, data: bytes) -> list[tuple[str, str]]:
+        """restore_account; [] when it restored, [(account, why)] when the record is corrupt (the account
+        let go); raises ValueError for a record of another model or version."""
+        try:
+            self.restore_account(account_id, data)
+            return []
+        except CorruptRecordError as error:
+            if account_id in self.store:
+                self.evict(account_id, discard_changes=True)
+            return [(account_id, str(error))]
+
+    def _scatter_records(self, ids: list[str], records: np.ndarray, state: dict) -> None:
+        """Records [n] of decode_account_records and their decoded detector state into memory."""
+        if not ids:
+            return
+        header = records["header"]
+        if self.shadow is not None:
+            for account in ids:
+                self.shadow.evict(account)  # as in restore_account
+        rows = _rows(self.store.slot_of, partial(self.store.add, overwritten=True), ids)
+        self.store.scatter(rows, state)  # with the bookkeeping below: every field of the rows
+        self.store.partition[rows] = header["partition"]
+        self.store.offset[rows] = header["offset"]
+        self.store.last_ts_us[rows] = header["last_ts_us"]
+        self.store.recent_ids[rows] = records["recent_ids"]
+        self.store.recent_next[rows] = header["recent_next"]
+        table = self.featurizer.accounts
+        slots = _rows(table.slot_of, table.add, ids)  # first: it may grow table.records
+        table.records[slots] = records["features"]
+        self._changed.difference_update(ids)  # memory now equals the records
 
     def evict(self, account_id: str, discard_changes: bool = False) -> None:
         """Forget an account (its record can restore it later).

@@ -14,16 +14,19 @@ these records as from its own, with no replay.
 
 A shadow record is kept on restore only when its last applied position is the champion's: a shadow that was
 stopped while the champion went on holds older states, which would skip the events in between; such an
-account starts afresh in the shadow (counted in `stale`). Records of another model are refused.
+account starts afresh in the shadow (counted in `stale`), as does one whose record is corrupt (counted in
+`corrupt`, logged). Records of another model are refused.
 The shadow never raises alerts: `alert` in its scores says where its threshold would have put one.
 """
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from consumers.scoring.account_state import (
+    CorruptRecordError,
     bad_account_records,
     decode_account_record,
     decode_account_records,
@@ -37,6 +40,8 @@ from pipeline.registry.artifact import DEFAULT_THRESHOLD, LoadedModel
 
 # What makes two feature specs compute the same rows (the normalisation statistics may differ).
 SAME_FEATURES = ("version", "names", "window_days", "terminal_buckets", "seen_terminal_bits")
+
+log = logging.getLogger(__name__)
 
 
 def check_same_features(champion: FeatureSpec, challenger: FeatureSpec, name: str) -> None:
@@ -77,6 +82,7 @@ class ShadowModel:
         self.store = StateStore(self.detector)
         self.model_fingerprint = model_fingerprint(self.detector)
         self.stale = 0  # records refused on restore: behind the champion's position
+        self.corrupt = 0  # records refused on restore: holding what no events give
         self._dtype = weights
 
     @torch.inference_mode()
@@ -134,32 +140,39 @@ class ShadowModel:
         if records is None:  # several layouts: one at a time
             return sum(self._restore_one(a, v, champion) for a, v in held)
         foreign = np.flatnonzero(records["header"]["model"] != self.model_fingerprint)
-        bad = bad_account_records(records)
-        if len(foreign) or len(bad):
-            first = min([*bad[:1], *foreign[:1]])
-            self._restore_one(ids[first], chunk[first], champion)  # raises, saying what is wrong
+        refused = sorted({*bad_account_records(records).tolist(), *foreign.tolist()})
+        for at in refused:  # raises for another model, saying what is wrong; a corrupt one is left out
+            self._restore_one(ids[at], chunk[at], champion)
         theirs = champion.rows(ids)
         header = records["header"]
         current = (header["partition"] == champion.partition[theirs]) & (
             header["offset"] == champion.offset[theirs]
         )
-        self.stale += int((~current).sum())
+        current[refused] = False
+        self.stale += int((~current).sum()) - len(refused)
         keep = np.flatnonzero(current)
+        while len(keep):
+            try:
+                state = decode_state_rows(self.detector, records["detector"][keep])
+                break
+            except StateRecordError as error:  # -> the account's name; a corrupt one is left out
+                at = int(keep[error.row])
+                self._restore_one(ids[at], chunk[at], champion)
+                keep = keep[keep != at]
         if len(keep) == 0:
             return 0
-        try:
-            state = decode_state_rows(self.detector, records["detector"][keep])
-        except StateRecordError as error:  # -> the account's name
-            at = int(keep[error.row])
-            self._restore_one(ids[at], chunk[at], champion)
-            raise
         rows = self.store.rows([ids[i] for i in keep.tolist()])
         self.store.scatter(rows, state)
         self.mirror([ids[i] for i in keep.tolist()], champion)
         return len(keep)
 
     def _restore_one(self, account: str, value: bytes, champion: StateStore) -> bool:
-        record = decode_account_record(value, account)
+        """Load one shadow record when current; False when stale or corrupt (left out, its account's shadow
+        starting again from no history: logged, counted in `corrupt`). ValueError for another model's."""
+        try:
+            record = decode_account_record(value, account)
+        except CorruptRecordError as error:
+            return self._left_out(f"shadow {error}")
         if record.model != self.model_fingerprint:
             raise ValueError(
                 f"shadow state record of {account!r} was written by another model (fingerprint "
@@ -169,7 +182,9 @@ class ShadowModel:
             )
         try:
             state = decode_account_state(self.detector, record.detector)  # [1, ...]
-        except ValueError as error:
+        except StateRecordError as error:
+            if error.corrupt:
+                return self._left_out(f"shadow state record of {account!r}: {error.reason}")
             raise ValueError(f"shadow state record of {account!r}: {error}") from None
         row = champion.rows([account])
         if (record.partition, record.offset) != (
@@ -181,6 +196,11 @@ class ShadowModel:
         self.store.scatter(self.store.rows([account]), state)
         self.mirror([account], champion)
         return True
+
+    def _left_out(self, why: str) -> bool:
+        self.corrupt += 1
+        log.error("shadow state record refused, the account's shadow starts again from no history: %s", why)
+        return False
 
     def evict(self, account: str) -> None:
         if account in self.store:

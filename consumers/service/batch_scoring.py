@@ -33,6 +33,7 @@ from kafka.structs import OffsetAndMetadata
 
 from consumers.runtime.key_partition import key_partition
 from consumers.runtime.settings import ServeConfig
+from consumers.scoring.account_state import CorruptRecordError
 from consumers.scoring.explain import encode_alert
 from consumers.scoring.message_limits import MessageError, MessageLimits
 from consumers.scoring.messages import Transaction, UnknownFields, decode_transaction
@@ -237,7 +238,11 @@ class BatchScorer:
         if not returning:
             return
         for account, value in self.read_states(returning).items():
-            self.scorer.restore_account(account, value)
+            try:
+                self.scorer.restore_account(account, value)
+            except CorruptRecordError as error:  # it starts again from no history, never stopping the batch
+                log.error("account state record refused, the account starts again from no history: %s", error)
+                out.states_discarded += 1
         if self.shadow is not None:
             self.shadow.bring_back(list(returning), lambda topic, wanted: self.read_states(wanted, topic))
         out.reloaded = len(returning)

@@ -77,6 +77,7 @@ class ScoredBatch:
     labels_applied: int = 0  # fraud and not-fraud labels read and applied before the batch's events
     deltas_applied: int = 0  # other instances' terminal delta records folded in before the batch's events
     reloaded: int = 0  # dormant accounts' states read back from the changelog for this batch
+    states_discarded: int = 0  # of those, records refused as corrupt: their accounts start from no history
     unknown_fields: int = 0  # input messages with fields of no known name, ignored (unknown_fields: ignore)
     created_ms: list[float] = field(default_factory=list)  # the scored events' produce times (latency)
     observed: list = field(

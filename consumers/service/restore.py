@@ -197,6 +197,8 @@ class Restore:
         self.stats.changelog_records_read += read
         self.metrics.inc("txsentinel_restore_seconds_total", seconds)
         self.metrics.inc("txsentinel_restored_states_total", restored)
+        self.metrics.inc("txsentinel_states_discarded_total", done.corrupt)
+        self.stats.states_discarded += done.corrupt
         self.metrics.inc("txsentinel_changelog_records_read_total", read)
         self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         log.info(

@@ -13,6 +13,7 @@ is one batched call per chunk (Scorer.restore_accounts).
 """
 
 import gc
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from consumers.scoring.scorer import Scorer
 # come from malloc's heap and are reused chunk after chunk: at 32 MB each was a fresh mapping, faulted in anew.
 CHUNK_BYTES = 8 * 1024 * 1024
 
+log = logging.getLogger(__name__)
+
 Place = tuple[int, int]  # (changelog partition, offset)
 
 
@@ -31,14 +34,16 @@ class Restored:
     accounts: list[str]  # held in memory now, least recently written first
     where: dict[str, Place] = field(default_factory=dict)  # every live account -> its last record
     read: int = 0  # changelog records read
+    corrupt: int = 0  # latest records refused as corrupt: their accounts start again from no history
 
 
 def restore_partitions(
     scorer: Scorer, reader: Reader, topic: str, partitions: list[int], timeout_s: float, keep: int
 ) -> Restored:
     """Read changelog `partitions` (read_committed, to their high watermarks) into `scorer`, holding at most
-    `keep` of their accounts. Raises what Scorer.restore_accounts raises for a record of another model,
-    and compacted's TimeoutError past `timeout_s`."""
+    `keep` of their accounts. An account whose last record is corrupt is not held, nor noted: it starts
+    again from no history (logged, counted in Restored.corrupt). Raises what Scorer.restore_accounts raises
+    for a record of another model, and compacted's TimeoutError past `timeout_s`."""
     # A restore makes millions of objects and no cycle: the collector's passes over them would cost more
     # than the restore itself (gen-2 collections walk every object made so far).
     collecting = gc.isenabled()
@@ -55,7 +60,7 @@ def _restore(
 ) -> Restored:
     recent: OrderedDict[str, None] = OrderedDict()  # accounts held, by the order of their last record
     where: dict[str, Place] = {}
-    read = 0
+    read = corrupt = 0
     # Asked for once: the reservation and the read stop at the same place
     end = high_watermarks(reader, topic, partitions)
     # Rows for every account the read can find, at once: the store does not double (and copy) its way there
@@ -78,5 +83,9 @@ def _restore(
             oldest, _ = recent.popitem(last=False)
             if latest.pop(oldest, None) is None and oldest in scorer.store:
                 scorer.evict(oldest, discard_changes=True)  # it stays dormant, its place noted
-        scorer.restore_accounts(list(latest), list(latest.values()))
-    return Restored(list(recent), where, read)
+        for account, why in scorer.restore_accounts(list(latest), list(latest.values())):
+            corrupt += 1
+            recent.pop(account, None)
+            where.pop(account, None)  # never brought back: its next event starts it again
+            log.error("account state record refused, the account starts again from no history: %s", why)
+    return Restored(list(recent), where, read, corrupt)

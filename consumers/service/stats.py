@@ -41,6 +41,7 @@ class ServeStats:
     terminal_table_flushes: int = 0  # transactions of the table writer, while this instance ran it
     states_evicted: int = 0  # dormant accounts let go of beyond max_states_in_memory
     states_reloaded: int = 0  # dormant accounts read back from the changelog when they returned
+    states_discarded: int = 0  # account state records refused as corrupt (restore or read back)
     unknown_fields: int = 0  # input messages with fields of no known name, read all the same
     terminals_capped: int = 0  # let go of before they were idle, beyond max_terminals_in_memory
 
@@ -84,6 +85,7 @@ class Bookkeeping:
         self.stats.labels_applied += out.labels_applied
         self.stats.terminal_deltas_applied += out.deltas_applied
         self.stats.states_reloaded += out.reloaded
+        self.stats.states_discarded += out.states_discarded
         self.stats.unknown_fields += out.unknown_fields
         self._let_dormant_go(committed)
         m = self.metrics
@@ -99,6 +101,7 @@ class Bookkeeping:
         m.inc("txsentinel_labels_applied_total", out.labels_applied)
         m.inc("txsentinel_terminal_deltas_applied_total", out.deltas_applied)
         m.inc("txsentinel_states_reloaded_total", out.reloaded)
+        m.inc("txsentinel_states_discarded_total", out.states_discarded)
         m.inc("txsentinel_unknown_fields_total", out.unknown_fields)
         m.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         self._count_terminals()

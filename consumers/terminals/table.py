@@ -137,20 +137,24 @@ def flush_records(
     return out
 
 
-def _check_records(topic: str, table: StateTable) -> None:
-    """Refuse a terminal record that no events and labels give (a day past the stream's range, a negative
-    count: pipeline/features/state.py's record_faults), naming it: restored, it would read as garbage ever
-    after, and a day past the range spills into the windows of the other terminals of a batch."""
+def _let_corrupt_records_go(topic: str, table: StateTable) -> None:
+    """Leave out the terminal records that no events and labels give (a day past the stream's range, a
+    negative count: pipeline/features/state.py's record_faults), naming the first at ERROR: restored, one
+    would read as garbage ever after, and a day past the range spills into the windows of the other
+    terminals of a batch. Every holder reads the same table, so every one leaves the same terminals out:
+    their counts start again from the deltas and labels after the table's positions."""
     keys = list(table.slot_of)
     slots = np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))
-    bad = np.flatnonzero(record_faults(table.records[slots]))
-    if len(bad):
-        raise ValueError(
-            f"terminal table record of {keys[bad[0]]!r} in {topic!r}: {record_fault(table.records[slots[bad[0]]])}, "
-            "which no events or labels give: the record is corrupt. Write a tombstone under its key (the "
-            "terminal's counts start again from the deltas and labels after the table's positions), or point "
-            "terminal_table_topic at a new topic"
-        )
+    bad = np.flatnonzero(record_faults(table.records[slots])).tolist()
+    if bad:
+        log.error(
+            "terminal table records refused, their counts start again from the deltas and labels: topic=%s "
+            "terminals=%d first=%r: %s, which no events or labels give (a corrupt record; the next flush of "
+            "each such terminal writes a sound one)",
+            topic, len(bad), keys[bad[0]], record_fault(table.records[slots[bad[0]]]),
+        )  # fmt: skip
+        for i in bad:
+            table.evict(keys[i])
 
 
 def read_table(
@@ -177,7 +181,7 @@ def read_table(
     for key, value in latest.items():
         if value is not None:  # None: a tombstone (a terminal deleted by hand)
             table.put_bytes(key, decode_terminal(key, value))
-    _check_records(topic, table)
+    _let_corrupt_records_go(topic, table)
     log.info(
         "terminal table read topic=%s records=%d terminals=%d positions=%s seconds=%.3f",
         topic, read, len(table), positions, time.monotonic() - started,

@@ -5,7 +5,9 @@ reads against the real broker: tests/integration/test_service_labels.py.
 And what a batch writes for hostile input, with a real scorer: dead letters with their reasons, a record
 written again under its account's key, and the last resort that scores one event at a time."""
 
+import dataclasses
 import json
+import struct
 import time
 import zlib
 from collections import namedtuple
@@ -19,6 +21,7 @@ from kafka.structs import TopicPartition
 
 from consumers.runtime.key_partition import key_partition
 from consumers.runtime.settings import load_serve_config
+from consumers.scoring.account_state import decode_account_record
 from consumers.scoring.messages import Transaction, encode_transaction, format_ts
 from consumers.scoring.scorer import Scorer
 from consumers.service import batch_scoring
@@ -228,6 +231,25 @@ def test_a_record_off_its_keys_partition_is_refused_by_the_producers_rule_and_a_
     assert unchecked.score(polled([(b"A1", value)], partition=away)).scored == 1
     with pytest.raises(ValueError, match="'p-transactions' has 0 partitions"):
         hostile_batch_scorer(tiny_scorer(), partitions=0)
+
+
+def test_a_dormant_accounts_corrupt_record_read_back_is_left_out_and_its_event_scored_from_no_history():
+    now = time.time_ns() // 1000
+    first, second = tx_value("E1", "A1", now - 2 * HOUR_US), tx_value("E2", "A1", now - HOUR_US)
+    source = hostile_batch_scorer(tiny_scorer())
+    source.score(polled([(b"A1", first)]))
+    record = decode_account_record(source.scorer.account_state_bytes("A1"))
+    corrupt = dataclasses.replace(record, detector=record.detector[:-4] + struct.pack("<f", float("nan")))
+
+    batches = hostile_batch_scorer(tiny_scorer())
+    batches.read_states = lambda wanted: {"A1": corrupt.to_bytes()}
+    batches.dormant.restored({"A1": (0, 0)}, [], 0)  # A1 is dormant: its record is read back first
+    out = batches.score(polled([(b"A1", second)], offsets=[1]))
+    assert (out.reloaded, out.states_discarded, out.scored, out.dead_lettered) == (1, 1, 1, 0)
+    fresh = hostile_batch_scorer(tiny_scorer()).score(polled([(b"A1", second)], offsets=[1]))
+    assert [v for t, _, v, _ in out.records if t == "p-scores"] == [
+        v for t, _, v, _ in fresh.records if t == "p-scores"
+    ]  # scored as an account with no history
 
 
 def test_the_murmur2_rule_is_the_kafka_clients_default_partitioner():

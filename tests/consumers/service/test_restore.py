@@ -4,6 +4,7 @@ changelog read asks for its end offsets once; an aborted batch lets go of its ow
 missed a cooperative rebalance is read again without leaving the group. The broker-backed versions are in tests/integration/test_service_restore.py."""
 
 import dataclasses
+import re
 import struct
 from datetime import timedelta
 
@@ -16,7 +17,7 @@ from kafka.structs import ConsumerGroupMetadata, TopicPartition
 
 import consumers.service.restore as restore_module
 from consumers.runtime.compacted import Reader
-from consumers.scoring.account_state import decode_account_record
+from consumers.scoring.account_state import CorruptRecordError, decode_account_record
 from consumers.scoring.messages import transactions_from_frame
 from consumers.scoring.scorer import Scorer
 from consumers.service.dormant import DormantStates
@@ -202,6 +203,7 @@ class _Scorer:
 
     def restore_accounts(self, accounts, values):
         self.store.update(zip(accounts, values, strict=True))
+        return []  # none corrupt
 
 
 def test_a_changelog_restore_asks_for_the_end_offsets_once_and_reserves_and_reads_to_them():
@@ -249,9 +251,10 @@ def _nan_state(record):
         (lambda r: dataclasses.replace(r, offset=-9), r"source position \(-1, -9\)"),
     ],
 )
-def test_a_record_holding_what_no_events_give_is_refused_naming_the_account(frame, corrupt, reason):
+def test_a_corrupt_record_is_left_out_naming_the_account_and_its_account_starts_again(frame, corrupt, reason):
     # Restored, a NaN in a state makes every later score of the account fail, and a day past the composite
-    # keys' range spills into the other accounts of its batches: a corrupt record is refused, not applied.
+    # keys' range spills into the other accounts of its batches: a corrupt record is refused, not applied,
+    # and it stops nothing: its account starts again from no history, the others are restored.
     txs = transactions_from_frame(frame.head(300))
     source = Scorer(loaded("lstm", frame))
     source.score(txs)
@@ -259,7 +262,12 @@ def test_a_record_holding_what_no_events_give_is_refused_naming_the_account(fram
     values = source.account_states_bytes(accounts)
     values[3] = corrupt(decode_account_record(values[3])).to_bytes()
     match = f"account state record of {accounts[3]!r}: {reason}.* the record is corrupt"
-    with pytest.raises(ValueError, match=match):
-        Scorer(loaded("lstm", frame)).restore_accounts(accounts, values)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(CorruptRecordError, match=match):
         Scorer(loaded("lstm", frame)).restore_account(accounts[3], values[3])
+    target = Scorer(loaded("lstm", frame))
+    target.score(txs[:50])  # memory holds an older state of some accounts: the corrupt one's goes too
+    (left_out,) = target.restore_accounts(accounts, values)
+    assert left_out[0] == accounts[3] and re.search(match, left_out[1])
+    assert sorted(target.accounts_in_memory) == sorted(set(accounts) - {accounts[3]})
+    sound = accounts[:3] + accounts[4:]
+    assert target.account_states_bytes(sound) == values[:3] + values[4:]
