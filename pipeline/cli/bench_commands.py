@@ -18,7 +18,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "features":
         from pipeline.bench.features import run_feature_bench
 
-        run_feature_bench(events=args.events, batch_events=args.batch_events, seed=args.seed)
+        run_feature_bench(args.events, args.batch_events, args.seed, terminals=args.terminals)
     elif args.bench == "stream":
         from pipeline.bench.stream import main as run_stream_bench
 
@@ -98,6 +98,12 @@ def add_bench_commands(sub) -> argparse._SubParsersAction:
     b = bench.add_parser("features", help="batch and streaming featurizer throughput on one core")
     b.add_argument("--events", type=int, default=1_000_000, help="events to featurize (default 1M)")
     b.add_argument("--batch-events", type=int, default=500, help="stream micro-batch size (default 500)")
+    b.add_argument(
+        "--terminals",
+        type=int,
+        default=1_000_000,
+        help="terminals a table holds when the cap lets a tenth go, and ids hashed (default 1M)",
+    )
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(run=run_bench)
     b = bench.add_parser("stream", help="the service end to end on the project's broker vs the raw client")

@@ -79,8 +79,11 @@ FEATURE_NAMES: tuple[str, ...] = (
 TERMINAL_BUCKET_COLUMN = "terminal_bucket"
 
 
-@functools.lru_cache(maxsize=1 << 20)
-def _terminal_code(terminal_id: str) -> int:
+TERMINAL_ID_CACHE = 1 << 20  # terminal ids whose hashes terminal_code remembers, the most recently met
+
+
+@functools.lru_cache(maxsize=TERMINAL_ID_CACHE)
+def terminal_code(terminal_id: str) -> int:
     # bucket * SEEN_TERMINAL_BITS + seen-bit, one int so a batch converts with a single np.fromiter. Cached:
     # the stream meets the same terminals over and over. The seen-bit uses another crc32 seed, so the two
     # hashes collide independently.
@@ -92,7 +95,7 @@ def _terminal_code(terminal_id: str) -> int:
 
 def terminal_hashes(terminal_ids: Iterable[str]) -> np.ndarray:
     """[N, 2] int64: (embedding bucket, seen-bit) of each terminal id."""
-    codes = np.fromiter(map(_terminal_code, terminal_ids), dtype=np.int64)
+    codes = np.fromiter(map(terminal_code, terminal_ids), dtype=np.int64)
     return np.stack(np.divmod(codes, SEEN_TERMINAL_BITS), axis=1)
 
 
