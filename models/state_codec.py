@@ -62,11 +62,12 @@ def _payload_bytes(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> in
 class StateRecordError(ValueError):
     """A state record this detector cannot load: `row`, its place in the batch decoded, and `reason`; the
     text reads "state record ROW: REASON". `corrupt`: the record is this detector's, but holds values no
-    step writes (otherwise it was written by another detector, config or version)."""
+    step writes (otherwise it was written by another detector, config or version); `rows`: every row of
+    the batch with the same fault, `row` first."""
 
-    def __init__(self, row: int, reason: str, corrupt: bool = False):
+    def __init__(self, row: int, reason: str, corrupt: bool = False, rows: tuple[int, ...] = ()):
         super().__init__(f"state record {row}: {reason}")
-        self.row, self.reason, self.corrupt = row, reason, corrupt
+        self.row, self.reason, self.corrupt, self.rows = row, reason, corrupt, rows or (row,)
 
 
 def encode_state(detector: RecurrentDetector, state: State) -> list[bytes]:
@@ -153,6 +154,7 @@ def _check_values(detector: RecurrentDetector, key: str, tensor: torch.Tensor) -
             f"{detector.name!r} state {key!r} {what}, which no step writes: the record is corrupt; rebuild the "
             "state by replaying the account's history",
             corrupt=True,
+            rows=tuple(rows.tolist()),
         )
 
 

@@ -39,7 +39,8 @@ METRICS = {
     "txsentinel_duplicates_dropped_total": ("counter", "Redelivered events already applied (not rescored)."),
     "txsentinel_states_discarded_total": (
         "counter",
-        "Account state records refused as corrupt on restore or read back: those accounts start from no history.",
+        "Account state records (the challenger's too) refused as corrupt on restore or read back: those "
+        "accounts start from no history.",
     ),
     "txsentinel_positions_repaired_total": (
         "counter",

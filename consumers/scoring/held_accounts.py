@@ -192,15 +192,16 @@ class HeldAccounts:
             for at in refused:  # raises for another model or version; names a corrupt one
                 corrupt += self._restore_or_name(ids[at], chunk[at])
             keep = np.setdiff1d(np.arange(len(ids)), refused)
-            while True:
+            while len(keep):  # one decode, and one more for each state tensor holding corrupt rows
                 try:
                     state = decode_state_rows(self.detector, records["detector"][keep])  # [n, ...]
-                    break
-                except StateRecordError as error:  # -> the account's name; a corrupt one is left out
-                    at = int(keep[error.row])
-                    corrupt += self._restore_or_name(ids[at], chunk[at])
-                    keep = keep[keep != at]
-            self._scatter_records([ids[i] for i in keep.tolist()], records[keep], state)
+                except StateRecordError as error:  # -> the accounts' names; corrupt ones are left out
+                    for at in keep[list(error.rows)].tolist():
+                        corrupt += self._restore_or_name(ids[at], chunk[at])  # raises unless corrupt
+                    keep = np.delete(keep, list(error.rows))
+                    continue
+                self._scatter_records([ids[i] for i in keep.tolist()], records[keep], state)
+                break
         return corrupt
 
     def _restore_or_name(self, account_id: str, data: bytes) -> list[tuple[str, str]]:

@@ -102,7 +102,8 @@ class Scorer(HeldAccounts, HistoryReplay):
         self.store = StateStore(detector)
         self.model_fingerprint = model_fingerprint(detector)
         self.stats = ScorerStats()
-        # {partition: the highest offset read from it}: a state's last applied position past it is corrupt
+        # {partition: the highest offset read from it, or below its log end (note_log_ends)}: a state's last
+        # applied position past it is one no event gave
         self.newest_read: dict[int, int] = {}
         self.explainer = AlertExplainer(self.detector, reasons) if reasons else None
         self._reasons_log_at = 0.0  # time.monotonic() from which a failure to explain is logged again
@@ -202,11 +203,18 @@ class Scorer(HeldAccounts, HistoryReplay):
         ]
         return Scored(records, out.rejected, out.reasons, out.shadow_logit)
 
+    def note_log_ends(self, ends: dict[int, int]) -> None:
+        """{partition: its log end offset} of the source topic, told by a service before it reads: every
+        position an event gave lies below it, though this instance may not have read there (a restore whose
+        group's committed offsets are behind its states: offsets that expired, a new group_id). Without it
+        only what this scorer has read bounds the positions its states may hold."""
+        for partition, end in ends.items():
+            self.newest_read[partition] = max(self.newest_read.get(partition, -1), end - 1)
+
     def observe_labels(self, labels: LabelBatch) -> None:
         """Apply fraud labels that arrive between batches (label_ts <= every later event's ts)."""
         self.featurizer.observe_labels(labels)
 
-    @torch.inference_mode()
     def _positions_ahead(self, events: EventBatch, ahead: list[int], pos: np.ndarray) -> None:
         i = ahead[0]
         account, (partition, offset) = events.account_ids[i], pos[i].tolist()
@@ -219,6 +227,7 @@ class Scorer(HeldAccounts, HistoryReplay):
         )  # fmt: skip
         self.stats.positions_repaired += len(ahead)
 
+    @torch.inference_mode()
     def _score_batch(
         self,
         events: EventBatch,

@@ -155,10 +155,10 @@ class ShadowModel:
             try:
                 state = decode_state_rows(self.detector, records["detector"][keep])
                 break
-            except StateRecordError as error:  # -> the account's name; a corrupt one is left out
-                at = int(keep[error.row])
-                self._restore_one(ids[at], chunk[at], champion)
-                keep = keep[keep != at]
+            except StateRecordError as error:  # -> the accounts' names; corrupt ones are left out
+                for at in keep[list(error.rows)].tolist():
+                    self._restore_one(ids[at], chunk[at], champion)  # raises unless corrupt
+                keep = np.delete(keep, list(error.rows))
         if len(keep) == 0:
             return 0
         rows = self.store.rows([ids[i] for i in keep.tolist()])

@@ -244,7 +244,9 @@ class BatchScorer:
                 log.error("account state record refused, the account starts again from no history: %s", error)
                 out.states_discarded += 1
         if self.shadow is not None:
+            corrupt_before = self.shadow.model.corrupt
             self.shadow.bring_back(list(returning), lambda topic, wanted: self.read_states(wanted, topic))
+            out.states_discarded += self.shadow.model.corrupt - corrupt_before
         out.reloaded = len(returning)
 
     def _dead_letter_record(self, record, error: MessageError) -> OutputRecord:

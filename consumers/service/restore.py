@@ -132,6 +132,9 @@ class Restore:
                 committed = self._committed(
                     tps
                 )  # before the changelog is read: step 1 of the module docstring
+                # Every position a state of these partitions can hold lies below their log ends
+                ends = self.consumer.end_offsets(tps)
+                self.scorer.note_log_ends({tp.partition: end for tp, end in ends.items()})
                 self._restore(partitions)
             except BaseException as error:
                 self.probes.wait_for("partitions", f"restoring partitions {partitions} failed: {error!r}")
@@ -184,10 +187,12 @@ class Restore:
         done = restore_partitions(
             self.scorer, self.restorer, self.changelog, partitions, self.cfg.restore_timeout_s, keep=room
         )
-        restored, read, where = len(done.accounts), done.read, done.where
+        restored, read, where, corrupt = len(done.accounts), done.read, done.where, done.corrupt
         if self.shadow is not None:  # after the champion's: a challenger record is kept when current
+            corrupt_before = self.shadow.model.corrupt
             kept, shadow_read = self.shadow.restore(self.restorer, partitions, self.cfg.restore_timeout_s)
             read += shadow_read
+            corrupt += self.shadow.model.corrupt - corrupt_before
             log.info("shadow restore done partitions=%s states=%d", partitions, kept)
         self.dormant.drop_partitions(partitions)
         self.dormant.restored(where, done.accounts, self.batches.seq if self.batches else 0)
@@ -197,8 +202,8 @@ class Restore:
         self.stats.changelog_records_read += read
         self.metrics.inc("txsentinel_restore_seconds_total", seconds)
         self.metrics.inc("txsentinel_restored_states_total", restored)
-        self.metrics.inc("txsentinel_states_discarded_total", done.corrupt)
-        self.stats.states_discarded += done.corrupt
+        self.metrics.inc("txsentinel_states_discarded_total", corrupt)
+        self.stats.states_discarded += corrupt
         self.metrics.inc("txsentinel_changelog_records_read_total", read)
         self.metrics.set("txsentinel_states_in_memory", len(self.scorer.accounts_in_memory))
         log.info(

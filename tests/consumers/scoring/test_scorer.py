@@ -138,6 +138,15 @@ def test_a_last_applied_position_past_every_offset_read_is_repaired_not_a_silent
     assert scorer.score(txs[200:300], [(0, i) for i in range(200, 300)]) == []  # redelivered: dropped
     assert scorer.stats.duplicates_dropped == 100
 
+    # A service restoring states ahead of its group's committed offsets (offsets that expired, a new
+    # group_id) reads old events again: told the log's end, it drops them as applied, repairing nothing.
+    accounts = sorted(scorer.accounts_in_memory)
+    restored = Scorer(make_model("lstm", spec))
+    restored.restore_accounts(accounts, scorer.account_states_bytes(accounts))
+    restored.note_log_ends({0: 300})
+    assert restored.score(txs[:100], [(0, i) for i in range(100)]) == []  # the oldest third again
+    assert (restored.stats.positions_repaired, restored.stats.duplicates_dropped) == (0, 100)
+
 
 @pytest.mark.parametrize("name", DETECTORS)
 def test_duplicate_delivery_changes_nothing(name, frame, spec):

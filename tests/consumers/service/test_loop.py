@@ -34,7 +34,7 @@ class ScriptedConsumer:
 
     def __init__(self, service, polls):
         self.service, self.polls, self.sought, self.assigned = service, list(polls), {}, {P0, P1}
-        self.committed_offsets, self.paused = {}, set()
+        self.committed_offsets, self.paused, self.log_ends = {}, set(), {}
         self.group = ConsumerGroupMetadata("group", generation_id=1, member_id="member-1")
 
     def poll(self, timeout_ms, max_records):
@@ -56,6 +56,9 @@ class ScriptedConsumer:
 
     def committed(self, tp, timeout_ms=None):
         return self.committed_offsets.get(tp)
+
+    def end_offsets(self, tps):
+        return {tp: self.log_ends.get(tp, 0) for tp in tps}
 
     def pause(self, *tps):
         self.paused |= set(tps)

@@ -202,8 +202,10 @@ class _Scorer:
         self.reserved = count
 
     def restore_accounts(self, accounts, values):
-        self.store.update(zip(accounts, values, strict=True))
-        return []  # none corrupt
+        """As Scorer.restore_accounts: a value starting b"bad" stands for a corrupt record, left out."""
+        pairs = list(zip(accounts, values, strict=True))
+        self.store.update((a, v) for a, v in pairs if not v.startswith(b"bad"))
+        return [(a, "corrupt") for a, v in pairs if v.startswith(b"bad")]
 
 
 def test_a_changelog_restore_asks_for_the_end_offsets_once_and_reserves_and_reads_to_them():
@@ -219,6 +221,20 @@ def test_a_changelog_restore_asks_for_the_end_offsets_once_and_reserves_and_read
     done = restore_partitions(scorer, Reader(_Committed(logs), watermarks), "cl", [0, 1], 5.0, keep=10)
     assert watermarks.end_calls == 1 and scorer.reserved == 3 and done.read == 3
     assert scorer.store == {"a": b"va", "b": b"vb", "c": b"vc"}
+
+
+def test_an_account_whose_last_record_is_corrupt_is_neither_held_nor_noted_and_is_counted():
+    def record(offset, key, value):
+        return ConsumerRecord("cl", 0, 0, offset, 0, 0, key.encode(), value, None, None, 2, 2, -1)
+
+    tp = TopicPartition("cl", 0)
+    logs = {
+        tp: [record(0, "a", b"va"), record(1, "b", b"vb"), record(2, "a", b"bad a"), record(3, "c", b"vc")]
+    }
+    scorer = _Scorer()
+    done = restore_partitions(scorer, Reader(_Committed(logs), _Watermarks({tp: 4})), "cl", [0], 5.0, keep=10)
+    assert done.corrupt == 1 and sorted(done.accounts) == ["b", "c"] and sorted(done.where) == ["b", "c"]
+    assert "a" not in done.where  # never read back: its next event starts it again
 
 
 def _features(**values):
