@@ -13,6 +13,7 @@ state_bytes_per_account measures it, so a cap in bytes is a cap on the number of
 """
 
 import dataclasses
+import logging
 from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -38,6 +39,8 @@ ACCOUNT_OVERHEAD_BYTES = 400
 # The store's numpy bookkeeping per row: partition, offset, newest ts, the recent-ids ring and its next slot.
 STORE_ROW_BYTES = 8 * (4 + RECENT_EVENT_IDS)
 RESTORE_CHUNK = 65_536  # accounts decoded at once by restore_accounts: bounds the copies it makes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -206,13 +209,14 @@ class HeldAccounts:
 
     def _restore_or_name(self, account_id: str, data: bytes) -> list[tuple[str, str]]:
         """restore_account; [] when it restored, [(account, why)] when the record is corrupt (the account
-        let go); raises ValueError for a record of another model or version."""
+        let go, logged at ERROR); raises ValueError for a record of another model or version."""
         try:
             self.restore_account(account_id, data)
             return []
         except CorruptRecordError as error:
             if account_id in self.store:
                 self.evict(account_id, discard_changes=True)
+            log.error("account state record refused, the account starts again from no history: %s", error)
             return [(account_id, str(error))]
 
     def _scatter_records(self, ids: list[str], records: np.ndarray, state: dict) -> None:

@@ -33,7 +33,6 @@ from kafka.structs import OffsetAndMetadata
 
 from consumers.runtime.key_partition import key_partition
 from consumers.runtime.settings import ServeConfig
-from consumers.scoring.account_state import CorruptRecordError
 from consumers.scoring.explain import encode_alert
 from consumers.scoring.message_limits import MessageError, MessageLimits
 from consumers.scoring.messages import Transaction, UnknownFields, decode_transaction
@@ -237,12 +236,9 @@ class BatchScorer:
         returning = self.dormant.returning(accounts, self.scorer.accounts_in_memory)
         if not returning:
             return
-        for account, value in self.read_states(returning).items():
-            try:
-                self.scorer.restore_account(account, value)
-            except CorruptRecordError as error:  # it starts again from no history, never stopping the batch
-                log.error("account state record refused, the account starts again from no history: %s", error)
-                out.states_discarded += 1
+        states = self.read_states(returning)
+        # One batched restore; a corrupt record is left out, logged, its account starting from no history
+        out.states_discarded += len(self.scorer.restore_accounts(list(states), list(states.values())))
         if self.shadow is not None:
             corrupt_before = self.shadow.model.corrupt
             self.shadow.bring_back(list(returning), lambda topic, wanted: self.read_states(wanted, topic))

@@ -13,7 +13,6 @@ is one batched call per chunk (Scorer.restore_accounts).
 """
 
 import gc
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -23,8 +22,6 @@ from consumers.scoring.scorer import Scorer
 # ~4,500 LSTM or ~900 linear Transformer states of the default size. Small enough that the chunk's copies
 # come from malloc's heap and are reused chunk after chunk: at 32 MB each was a fresh mapping, faulted in anew.
 CHUNK_BYTES = 8 * 1024 * 1024
-
-log = logging.getLogger(__name__)
 
 Place = tuple[int, int]  # (changelog partition, offset)
 
@@ -83,9 +80,8 @@ def _restore(
             oldest, _ = recent.popitem(last=False)
             if latest.pop(oldest, None) is None and oldest in scorer.store:
                 scorer.evict(oldest, discard_changes=True)  # it stays dormant, its place noted
-        for account, why in scorer.restore_accounts(list(latest), list(latest.values())):
+        for account, _ in scorer.restore_accounts(list(latest), list(latest.values())):  # logged there
             corrupt += 1
             recent.pop(account, None)
             where.pop(account, None)  # never brought back: its next event starts it again
-            log.error("account state record refused, the account starts again from no history: %s", why)
     return Restored(list(recent), where, read, corrupt)
