@@ -179,11 +179,11 @@ def read_chunks(
     partitions: list[int],
     timeout_s: float,
     chunk_bytes: int,
-    end: dict[TopicPartition, int] | None = None,
+    end: dict[TopicPartition, int],
 ) -> Iterator[list[tuple[str, ConsumerRecord]]]:
     """The (key, record) pairs of read_latest, in order, about `chunk_bytes` of values at a time: for a
     caller that applies them as they come instead of holding every value (consumers/service/state_restore.py).
-    `end`: the partitions' high_watermarks when the caller has them already (default: asked for at the start)."""
+    `end`: the partitions' high watermarks to read up to (high_watermarks), which the caller asks for once."""
     chunk: list[tuple[str, ConsumerRecord]] = []
     size = 0
     for pair in _records(reader, topic, partitions, timeout_s, end=end):

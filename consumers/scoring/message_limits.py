@@ -136,13 +136,13 @@ def parse_epoch_ms(value: object, field: str, limits=None, now: int | None = Non
         )
     if not -(2**62) < value < 2**62:  # an integer beyond int64: out of range whatever the bounds
         raise MessageError(f"field {field!r}: {show(value)} is not epoch milliseconds in 2000..2099")
-    return _bounded(value * 1000, value, field, _DEFAULT_LIMITS if limits is None else limits, now)
+    return _bounded(value * 1000, value, field, DEFAULT_LIMITS if limits is None else limits, now)
 
 
 def parse_ts(value: object, field: str, limits=None, now: int | None = None) -> int:
     """ISO-8601 text with a UTC offset (or Z) -> microseconds since the epoch, not before the limits'
     earliest_ts (2000 by default), before 2100, nor after `now` (default: the clock) + max_ts_skew_s."""
-    limits = _DEFAULT_LIMITS if limits is None else limits
+    limits = DEFAULT_LIMITS if limits is None else limits
     if not isinstance(value, str):
         raise MessageError(
             f"field {field!r}: expected an ISO-8601 timestamp string, got {type(value).__name__} (epoch "
@@ -211,4 +211,4 @@ def amount(value: object, limits) -> float:
     return float(value) + 0.0  # -0.0 -> 0.0
 
 
-_DEFAULT_LIMITS = MessageLimits()
+DEFAULT_LIMITS = MessageLimits()  # what a decoder given no limits checks against

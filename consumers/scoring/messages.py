@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from consumers.scoring.json_text import json_depth, parse_json
 from consumers.scoring.message_limits import (
+    DEFAULT_LIMITS,
     MessageError,
     MessageLimits,
     amount,
@@ -47,7 +48,6 @@ from consumers.scoring.message_limits import (
 TRANSACTION_FIELDS = ("event_id", "account_id", "ts", "amount", "terminal_id")
 OPTIONAL_TRANSACTION_FIELDS = ("category", "channel", "country")
 LABEL_FIELDS = ("event_id", "account_id", "terminal_id", "is_fraud", "label_ts")
-_DEFAULT_LIMITS = MessageLimits()
 
 
 class Transaction(NamedTuple):
@@ -142,7 +142,7 @@ def decode_transaction(
     """A valid transaction, or MessageError with the reason (module docstring: what is valid). `now_us`:
     the clock the future bound is read against, microseconds since the epoch (default: time.time);
     `unknown` counts the messages with fields of no known name, when they are ignored."""
-    limits = _DEFAULT_LIMITS if limits is None else limits
+    limits = DEFAULT_LIMITS if limits is None else limits
     data = _object(value, TRANSACTION_FIELDS, OPTIONAL_TRANSACTION_FIELDS, limits, unknown)
     spent = amount(data["amount"], limits)
     optional = [data.get(field) for field in OPTIONAL_TRANSACTION_FIELDS]
@@ -196,7 +196,7 @@ def decode_label(
     unknown: UnknownFields | None = None,
 ) -> Label:
     """A valid label, or MessageError with the reason: decode_transaction's rules for its ids and label_ts."""
-    limits = _DEFAULT_LIMITS if limits is None else limits
+    limits = DEFAULT_LIMITS if limits is None else limits
     data = _object(value, LABEL_FIELDS, (), limits, unknown)
     if not isinstance(data["is_fraud"], bool):
         raise MessageError(f"field 'is_fraud': expected true or false, got {show(data['is_fraud'])}")

@@ -14,14 +14,13 @@ import json
 
 import numpy as np
 
-from consumers.scoring.message_limits import MessageError, MessageLimits, text
+from consumers.scoring.message_limits import DEFAULT_LIMITS, MessageError, MessageLimits, text
 from consumers.terminals.table import HEADER_SIZE, check_header, pack_header
 from pipeline.features.state import MAX_EPOCH_DAY
 from pipeline.features.stream_batches import TerminalOp
 
 _MAGIC = b"TXD1"
 _EVENTS = "events"
-_DEFAULT_LIMITS = MessageLimits()
 
 
 def encode_deltas(ops: list[TerminalOp]) -> bytes | None:
@@ -51,7 +50,7 @@ def decode_deltas(
         raise
     except ValueError as error:  # another version's: one such record must not stop every scorer's feed
         raise MessageError(f"{error} (skipped: its events are missing from the terminal counts)") from None
-    limits = _DEFAULT_LIMITS if limits is None else limits
+    limits = DEFAULT_LIMITS if limits is None else limits
     try:
         terminals, day_list = json.loads(data[HEADER_SIZE:])
         if not isinstance(terminals, list) or not isinstance(day_list, list):
