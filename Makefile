@@ -28,8 +28,10 @@ kafka-install:
 demo: $(STAMP) kafka-install
 	$(BIN)/txsentinel demo
 
+# Two processes (pytest-xdist): the broker's tests in one, waiting on Kafka, the CPU-bound rest beside them;
+# tests/conftest.py says which runs where.
 test: $(STAMP) kafka-install lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
