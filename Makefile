@@ -31,7 +31,7 @@ demo: $(STAMP) kafka-install
 # Two processes (pytest-xdist): the broker's tests in one, waiting on Kafka, the CPU-bound rest beside them;
 # tests/conftest.py says which runs where.
 test: $(STAMP) kafka-install lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

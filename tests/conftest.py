@@ -5,6 +5,8 @@ import sys
 import pytest
 import torch
 
+from tests.kafka_broker import KAFKA_FIXTURES
+
 pytest_plugins = ["tests.kafka_broker"]
 
 
@@ -32,14 +34,52 @@ def pytest_runtest_setup(item):
         fluent._active_experiment_id = None
 
 
-@pytest.hookimpl(trylast=True)  # after tests/kafka_broker.py has marked the tests that need the broker
+# How `make test` splits the suite over two processes (pytest -n 2 --dist loadscope): every module that uses the
+# broker in one process, one after another and first, since the broker is one and some of them restart it;
+# every other module whole (its module fixtures made once) in whichever process is free. The broker's tests
+# spend most of their time waiting on Kafka, which the other modules fill. Modules outside tests/integration/
+# that use the broker are named here; collection fails for one that uses it unnamed.
+BROKER_MODULES_ELSEWHERE = {
+    "tests/pipeline/bench/test_restore.py",
+    "tests/test_demo.py",
+    "tests/test_packaging.py",
+    "tests/test_readme_commands.py",
+}
+
+
+def uses_the_broker(path: str) -> bool:
+    """path: a test module's, relative to the repository root, as in a node id."""
+    return path.startswith("tests/integration/") or path in BROKER_MODULES_ELSEWHERE
+
+
+def module_path(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """How `make test` splits the suite over its two processes (pytest -n 2 --dist loadgroup): every module
-    that needs the broker in one process, one after another, its tests first, since the broker is one and
-    some tests restart it; every other module whole (its module fixtures made once) wherever a process is
-    free. The broker's tests spend most of their time waiting on Kafka, which the other modules fill."""
-    broker_modules = {item.module.__name__ for item in items if item.get_closest_marker("kafka")}
     for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("broker" if module in broker_modules else module))
-    items.sort(key=lambda item: item.module.__name__ not in broker_modules)  # stable: modules stay whole
+        needs = item.get_closest_marker("kafka") or KAFKA_FIXTURES & set(item.fixturenames)
+        if needs and not uses_the_broker(module_path(item.nodeid)):
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the Kafka broker, but its module is not in tests/conftest.py's "
+                "BROKER_MODULES_ELSEWHERE: add it, so that `make test` runs it in the broker's process"
+            )
+    items.sort(key=lambda item: not uses_the_broker(module_path(item.nodeid)))  # stable: modules stay whole
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown to a run without the plugin
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadscope, with every module that uses the broker one scope (see BROKER_MODULES_ELSEWHERE).
+    pytest-xdist's own loadgroup would do it with marks, but with pytest 9.2 it no longer groups anything
+    (pytest-xdist issue 1386)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class BrokerApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = module_path(nodeid)
+            return "the broker's modules" if uses_the_broker(path) else path
+
+    return BrokerApart(config, log)
