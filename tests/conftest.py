@@ -5,8 +5,6 @@ import sys
 import pytest
 import torch
 
-from tests.kafka_broker import KAFKA_FIXTURES
-
 pytest_plugins = ["tests.kafka_broker"]
 
 
@@ -58,6 +56,8 @@ def module_path(nodeid: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    from tests.kafka_broker import KAFKA_FIXTURES  # imported by pytest_plugins first, assertions rewritten
+
     for item in items:
         needs = item.get_closest_marker("kafka") or KAFKA_FIXTURES & set(item.fixturenames)
         if needs and not uses_the_broker(module_path(item.nodeid)):

@@ -78,7 +78,8 @@ class ServeConfig:
     # days minus 30 older than the newest (consumers/terminals/idle.py). 0: never.
     terminal_idle_days: int = 90
     # The most terminals a holder (every scorer, the table writer) keeps, whatever their activity: beyond it,
-    # the least recently active go at once, down to 90% of it, and the writer writes their tombstones. Unlike
+    # those with the least history go at once (no fraud report and the fewest events inside the windows, then
+    # the least recently active), down to 90% of it, and the writer writes their tombstones. Unlike
     # idle eviction this changes features (a terminal let go loses the counts still in its windows), so each
     # time is logged as an error and counted (txsentinel_terminals_capped_total). A terminal held costs ~1 KB
     # (docs/operations.md, "Too many terminals"): set it above the terminals active within terminal_idle_days.

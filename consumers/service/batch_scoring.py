@@ -266,7 +266,7 @@ class BatchScorer:
         return len(got.labels), len(got.deltas)
 
     def let_terminals_go(self, now: float | None = None) -> None:
-        """The idle terminals, every EVICT_EVERY_S, then the least recently active beyond
+        """The idle terminals, every EVICT_EVERY_S, then those with the least history beyond
         max_terminals_in_memory (consumers/terminals/idle.py); after every fold, batch and restore."""
         terminals = self.scorer.featurizer.terminals
         evicted = self.eviction.evict(terminals, now)

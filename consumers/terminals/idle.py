@@ -1,6 +1,6 @@
 """Terminals leave memory, and the table writer deletes them from the terminal table (tombstones), so
-neither grows for ever: the idle ones, which changes no feature, and, beyond `max_terminals_in_memory`, the
-least recently active, which does.
+neither grows for ever: the idle ones, which changes no feature, and, beyond `max_terminals_in_memory`, those
+with the least history, which does.
 
 A terminal is idle when its newest event day and its newest fraud-report day are both more than
 `terminal_idle_days` before the newest event day its table holds (stream time, not the clock: a replay of
@@ -18,12 +18,19 @@ until they do (docs/operations.md, "Idle terminals").
 The cap. Idleness bounds a holder by the terminals active within `terminal_idle_days`, not by how many
 those are: valid events each naming a new terminal_id would grow every holder by ~1 KB an event until the
 process is killed for memory. So a holder that holds more than `max_terminals_in_memory` lets go, on its
-next call (a len while under it), of the least recently active (by the newest of their event and report
-days; ties by terminal id) down to CAP_KEEP of the cap, so that a flood costs a scan per tenth of the cap in
-new terminals, not one per batch. This CHANGES features: a terminal let go loses the counts still in its
-windows, and the holders apply the rule to what each holds, when each folds, so for a while a terminal may
-be gone on one and held on another. Hence never silently: an error at most every CAP_LOG_EVERY_S, with
-what to do, and a count (txsentinel_terminals_capped_total; docs/operations.md, "Too many terminals").
+next call (a len while under it), of those whose loss changes features least, down to CAP_KEEP of the cap,
+so that a flood costs a scan per tenth of the cap in new terminals, not one per batch. This CHANGES
+features: a terminal let go loses the counts still in its windows, and the holders apply the rule to what
+each holds, when each folds, so for a while a terminal may be gone on one and held on another. Hence never
+silently: an error at most every CAP_LOG_EVERY_S, with what to do, and a count
+(txsentinel_terminals_capped_total; docs/operations.md, "Too many terminals").
+
+Which go first (_cap_order): the terminals without a fraud report inside the windows, then those with the
+fewest events inside them, then the least recently active (the newest of their event and report days),
+then by terminal id, so that holders holding the same terminals let the same ones go. A flood of made-up
+terminal ids, one event each, then lets its own terminals go before any terminal with a history: least
+recently active first would let go of yesterday's busy terminals and of the compromised ones whose reports
+the terminal-risk features read, and keep the flood's, all active today.
 """
 
 import datetime
@@ -68,13 +75,48 @@ def idle_terminals(table: StateTable, idle_days: int) -> list[str]:
     return [keys[i] for i in np.flatnonzero(active_day < today - idle_days)]
 
 
-def _least_active(keys: list[str], active_day: np.ndarray, count: int) -> tuple[list[str], int]:
-    """The `count` of `keys` last active longest ago by `active_day` [N] (ties by id, so every holder picks
-    alike), and the day the most recently active of them was last active (-1: none was). 0 < count < N."""
-    bound = int(np.partition(active_day, count - 1)[count - 1])  # the newest day among those that go
-    older = [keys[i] for i in np.flatnonzero(active_day < bound)]
-    tied = sorted(keys[i] for i in np.flatnonzero(active_day == bound))  # ~0.3 s a million ids
-    return older + tied[: count - len(older)], bound
+# The fields of a cap order, low to high: the day last active + 1 (0 .. MAX_EPOCH_DAY + 1), the events in the
+# windows (capped), whether a report is in them.
+_DAY_BITS = 21
+_EVENT_BITS = 31
+CAP_ORDER_ROWS = 4096  # records a step while ordering: the [rows, RING_DAYS] temporaries stay in cache
+
+
+def _cap_order(table: StateTable, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """([N] int64, [N] int64, int) for the terminals at `slots` [N]: the order they go in over the cap (the
+    lower, the sooner; module docstring), the day each was last active (the newest of its event and report
+    days, -1: neither), and the newest event day held, whose RING_DAYS days are the windows. Read in one pass
+    over the records up to the highest slot (a gather of RING_DAYS-wide fields by slot costs twice as much)."""
+    records = table.records
+    today = int(records["max_day"][slots].max())
+    first_day, end = today - RING_DAYS + 1, int(slots.max()) + 1
+    order, active_day = np.empty(end, dtype=np.int64), np.empty(end, dtype=np.int64)
+    for start in range(0, end, CAP_ORDER_ROWS):
+        rows = slice(start, min(start + CAP_ORDER_ROWS, end))  # free slots among them: read, never used
+        report_day = records["report_day"][rows]  # [rows, RING_DAYS]
+        events = np.where(records["day"][rows] >= first_day, records["day_count"][rows], 0).sum(axis=1)
+        reported = ((report_day >= first_day) & (records["report_count"][rows] > 0)).any(axis=1)
+        active_day[rows] = np.maximum(records["max_day"][rows], report_day.max(axis=1))
+        order[rows] = (
+            (reported.astype(np.int64) << (_DAY_BITS + _EVENT_BITS))
+            + (np.minimum(events, (1 << _EVENT_BITS) - 1).astype(np.int64) << _DAY_BITS)
+            + active_day[rows]
+            + 1
+        )
+    return order[slots], active_day[slots], today
+
+
+def _first_to_go(
+    keys: list[str], order: np.ndarray, active_day: np.ndarray, count: int
+) -> tuple[list[str], int]:
+    """The `count` of `keys` lowest in `order` [N] (ties by id, so every holder picks alike), and the day the
+    most recently active of them was last active (-1: none was). 0 < count < N."""
+    bound = int(np.partition(order, count - 1)[count - 1])  # the highest order among those that go
+    lower = np.flatnonzero(order < bound)
+    at_bound = np.flatnonzero(order == bound)
+    tied = sorted(at_bound.tolist(), key=keys.__getitem__)[: count - len(lower)]  # ~0.3 s a million ids
+    gone = np.concatenate([lower, np.asarray(tied, dtype=np.int64)])
+    return [keys[i] for i in gone.tolist()], int(active_day[gone].max())
 
 
 def _date(day: int) -> str:
@@ -119,13 +161,14 @@ class TerminalEviction:
         return idle
 
     def cap(self, table: StateTable, now: float | None = None) -> list[str]:
-        """Over `max_terminals`, remove the least recently active terminals from `table` down to `keep`;
-        their ids. Cheap enough for every batch: a len, unless over."""
+        """Over `max_terminals`, remove the terminals with the least history from `table` down to `keep`
+        (module docstring); their ids. Cheap enough for every batch: a len, unless over."""
         gone: list[str] = []
         if self.max_terminals and len(table) > self.max_terminals:
-            keys, event_day, active_day = _days(table)
-            gone, day = _least_active(keys, active_day, len(keys) - self.keep)
-            newest_held = int(event_day.max())
+            keys = list(table.slot_of)
+            slots = np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))
+            order, active_day, newest_held = _cap_order(table, slots)
+            gone, day = _first_to_go(keys, order, active_day, len(keys) - self.keep)
             for terminal in gone:
                 table.evict(terminal)
             self.capped += len(gone)

@@ -16,8 +16,8 @@ the one reader that dead-letters them, so each goes there once however many inst
 positions, last. The table is then
 exactly the fold of everything before its positions, less the terminals let go: every EVICT_EVERY_S a
 flush also deletes the idle ones (consumers/terminals/idle.py) with a tombstone each, so the table does not
-grow for ever, and beyond `max_terminals_in_memory` the writer lets go of the least recently active as soon
-as a fold takes it past the cap, their tombstones in the next flush.
+grow for ever, and beyond `max_terminals_in_memory` the writer lets go of those with the least history
+(consumers/terminals/idle.py) as soon as a fold takes it past the cap, their tombstones in the next flush.
 A failed run (broker away, fenced) is logged and started again after a pause, from the table. On stop it
 drains what has arrived and flushes.
 """
@@ -191,7 +191,7 @@ class TerminalTableWriter:
                     log.warning("terminal table writer: closing the %s failed error=%r", name, error)
 
     def _cap(self, featurizer: StreamingFeaturizer, capped: set[str]) -> set[str]:
-        """Let go of the least recently active terminals beyond max_terminals_in_memory, adding them to
+        """Let go of the terminals with the least history beyond max_terminals_in_memory, adding them to
         `capped` (their tombstones go in the next flush); `capped`."""
         gone = self.eviction.cap(featurizer.terminals)
         capped.update(gone)

@@ -123,7 +123,7 @@ def _bytes_per_terminal_held(terminals: int) -> float:
 
 
 def _seconds_to_let_go(terminals: int, same_day: bool) -> float:
-    """Seconds TerminalEviction.cap takes to let the least recently active tenth of `terminals` go, their
+    """Seconds TerminalEviction.cap takes to let the tenth of `terminals` with the least history go, their
     last activity spread over 60 days or all on one day (then every id is sorted to break the tie)."""
     table = StateTable(TERMINAL_STATE)
     slots = table.add([f"T{i:09d}" for i in range(terminals)])

@@ -273,8 +273,9 @@ def test_a_flood_of_new_terminal_ids_keeps_every_holder_within_the_cap_and_every
     kafka_bootstrap, service_cfg, model_dir, caplog
 ):
     """Forty terminals in the table, then a flood of valid events each at a terminal never seen: after
-    every batch the scorer holds at most the cap, the table writer lets the least recently active go (the
-    forty first) and deletes them with tombstones, both say so, and every event is scored."""
+    every batch the scorer holds at most the cap, the table writer lets those with the least history go (the
+    forty first: an event each, as the flood's, but older) and deletes them with tombstones, both say so, and
+    every event is scored."""
     cap, port = 50, free_port()
     cfg = service_cfg(
         max_terminals_in_memory=cap, terminal_table_flush_s=0.5, metrics_port=port, metrics_host="127.0.0.1"
@@ -285,7 +286,7 @@ def test_a_flood_of_new_terminal_ids_keeps_every_holder_within_the_cap_and_every
             f"early-{i}", f"early-account-{i % 5}", now_us - 2 * DAY_US + i, 20.0, f"early-terminal-{i}"
         )
         for i in range(40)
-    ]  # two days before the flood: the least recently active
+    ]  # two days before the flood: as little history as the flood's terminals, and older
     flood = [
         Transaction(f"flood-{i}", f"flood-account-{i % 17}", now_us - HOUR_US + i, 10.0 + i % 7, f"flood-{i}")
         for i in range(400)

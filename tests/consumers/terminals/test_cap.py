@@ -6,7 +6,6 @@ the whole service: tests/integration/test_service_labels.py."""
 import logging
 import re
 
-import numpy as np
 import pytest
 
 from consumers.runtime.metrics import Metrics
@@ -14,7 +13,6 @@ from consumers.runtime.settings import load_serve_config
 from consumers.terminals.idle import CAP_LOG_EVERY_S, TerminalEviction
 from consumers.terminals.table import POSITIONS_KEY, Positions
 from consumers.terminals.writer import TerminalTableWriter
-from pipeline.features.definitions import RING_DAYS
 from pipeline.features.stream import StreamingFeaturizer
 from tests.consumers.terminals.test_idle import DAY0, events, fraud, history
 from tests.consumers.terminals.test_writer import ScriptedProducer
@@ -126,34 +124,52 @@ def test_the_writer_lets_go_over_the_cap_at_once_and_deletes_them_with_tombstone
     )
     metrics = Metrics()
     writer = TerminalTableWriter(cfg, "unused:9092", metrics)
-    featurizer = history()  # T-old (last active day 5), T-reported (day 80), T-busy (day 100)
-    featurizer.transform(events(["T-new"], [100]))  # 4 held, the cap is 2: two go, T-old first
+    featurizer = history()  # T-old (days 0-5), T-reported (reported on day 80), T-busy (days 0-100)
+    featurizer.transform(events(["T-new"], [100]))  # 4 held, the cap is 2: two go
     capped = writer._cap(featurizer, set())
-    assert capped == {"T-old", "T-reported"} and sorted(featurizer.terminals) == ["T-busy", "T-new"]
+    # T-old has no event inside the 30-day windows, T-new one against T-busy's three (days 80, 90, 100), and
+    # T-reported's report on day 80 is inside them.
+    assert capped == {"T-old", "T-new"} and sorted(featurizer.terminals) == ["T-busy", "T-reported"]
     assert writer.stats.terminals_capped == 2
     assert 'txsentinel_terminals_capped_total{holder="writer"} 2.0' in metrics.render()
-    featurizer.transform(events(["T-reported"], [101]))  # back, with only its new event
-    writer._cap(featurizer, capped)  # over again: T-busy (day 100) goes
-    assert capped == {"T-old", "T-reported", "T-busy"} and sorted(featurizer.terminals) == [
-        "T-new",
-        "T-reported",
-    ]
+    featurizer.transform(events(["T-new"] * 5, [101] * 5))  # back, with five new events only
+    writer._cap(featurizer, capped)  # over again: T-busy (three events in the windows) goes
+    assert capped == {"T-old", "T-new", "T-busy"} and sorted(featurizer.terminals) == ["T-new", "T-reported"]
 
     producer = ScriptedProducer()
-    writer._flush(
-        producer, featurizer, {"T-busy", "T-reported"}, [], Positions(labels={0: 3}), True, (), capped
-    )
+    writer._flush(producer, featurizer, {"T-busy", "T-new"}, [], Positions(labels={0: 3}), True, (), capped)
     sends = [(entry[1], entry[2], entry[3]) for entry in producer.log if entry[0] == "send"]
     assert [(key, value is None) for _, key, value in sends] == [
-        ("T-busy", True), ("T-old", True), ("T-reported", False), (POSITIONS_KEY, False)
+        ("T-busy", True), ("T-old", True), ("T-new", False), (POSITIONS_KEY, False)
     ]  # fmt: skip
     assert {topic for topic, _, _ in sends} == {"p-terminal-risk-table"}
     assert writer.stats.terminals_written == 1 and writer.stats.terminals_evicted == 0
-    assert featurizer.terminals.records["max_day"][featurizer.terminals.slot_of["T-reported"]] == DAY0 + 101
-    assert np.array_equal(
-        featurizer.terminals.records["report_day"][featurizer.terminals.slot_of["T-reported"]],
-        np.full(RING_DAYS, -1),
-    )  # its report on day 80 went with it: the cap changes features
+    record = featurizer.terminals.records[featurizer.terminals.slot_of["T-new"]]
+    assert record["max_day"] == DAY0 + 101
+    assert record["day_count"].sum() == 5  # its event on day 100 went with it: the cap changes features
+
+
+def test_a_flood_of_made_up_terminals_lets_its_own_go_and_keeps_every_terminal_with_a_history():
+    featurizer = StreamingFeaturizer()
+    days = list(range(20, 30))  # the ten days before the flood's
+    busy = [f"busy-{i}" for i in range(10)]  # an event a day each
+    featurizer.transform(events([t for t in busy for _ in days], [d for _ in busy for d in days]))
+    quiet = [f"quiet-{i}" for i in range(10)]  # one event each, ten days ago
+    featurizer.transform(events(quiet, [20] * 10))
+    reported = [f"hit-{i}" for i in range(5)]  # one event each, then a fraud report
+    featurizer.transform(events(reported, [25] * 5))
+    for terminal in reported:
+        featurizer.transform(events([], []), fraud(terminal, 26))
+    eviction = TerminalEviction(90, max_terminals=100)
+    flood = [f"flood-{i}" for i in range(1_000)]  # one event each, all on the newest day
+    let_go = []
+    for start in range(0, len(flood), 50):
+        featurizer.transform(events(flood[start : start + 50], [30] * 50))
+        let_go += eviction.cap(featurizer.terminals, now=0.0)
+    held = set(featurizer.terminals)
+    assert set(busy) | set(reported) <= held  # least recently active first would have let every one go
+    assert set(quiet) <= set(let_go)  # as little history as a flood's terminal, and older
+    assert len(held) <= 100 and len(held - set(busy) - set(reported)) == len(held) - 15
 
 
 def test_a_flood_of_new_terminals_grows_the_records_to_the_row_limit_and_no_further():
