@@ -20,11 +20,18 @@ def one_torch_thread():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Each test starts with no MLflow experiment chosen: mlflow.set_experiment (which training calls)
-    writes MLFLOW_EXPERIMENT_ID into os.environ and keeps the id in its module, and a later test's fresh
-    tracking store (or a subprocess that inherits the variable) has no experiment of that id."""
+    """A test that uses the broker from a module not in BROKER_MODULES_ELSEWHERE fails here, before its
+    fixtures. And each test starts with no MLflow experiment chosen: mlflow.set_experiment (which training
+    calls) writes MLFLOW_EXPERIMENT_ID into os.environ and keeps the id in its module, and a later test's
+    fresh tracking store (or a subprocess that inherits the variable) has no experiment of that id."""
     import os
 
+    if item.nodeid in _UNLISTED_BROKER_USERS:
+        pytest.fail(
+            f"{item.nodeid} uses the Kafka broker, but its module is not in tests/conftest.py's "
+            "BROKER_MODULES_ELSEWHERE: add it, so that `make test` runs it in the broker's process",
+            pytrace=False,
+        )
     os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
     os.environ.pop("MLFLOW_RUN_ID", None)
     fluent = sys.modules.get("mlflow.tracking.fluent")
@@ -54,6 +61,11 @@ def module_path(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+# Set at collection: the tests that use the broker from a module not in BROKER_MODULES_ELSEWHERE. Each fails in
+# its setup, before a fixture starts a broker (a collection error would read as an INTERNALERROR under xdist).
+_UNLISTED_BROKER_USERS: set[str] = set()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     from tests.kafka_broker import KAFKA_FIXTURES  # imported by pytest_plugins first, assertions rewritten
@@ -61,19 +73,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         needs = item.get_closest_marker("kafka") or KAFKA_FIXTURES & set(item.fixturenames)
         if needs and not uses_the_broker(module_path(item.nodeid)):
-            raise pytest.UsageError(
-                f"{item.nodeid} uses the Kafka broker, but its module is not in tests/conftest.py's "
-                "BROKER_MODULES_ELSEWHERE: add it, so that `make test` runs it in the broker's process"
-            )
+            _UNLISTED_BROKER_USERS.add(item.nodeid)
     items.sort(key=lambda item: not uses_the_broker(module_path(item.nodeid)))  # stable: modules stay whole
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown to a run without the plugin
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """--dist loadscope, with every module that uses the broker one scope (see BROKER_MODULES_ELSEWHERE).
-    pytest-xdist's own loadgroup would do it with marks, but with pytest 9.2 it no longer groups anything
-    (pytest-xdist issue 1386)."""
-    if config.getvalue("dist") != "loadscope":
+    """Whatever --dist asks to split (load, loadscope, loadfile, ...): modules whole, and every module that
+    uses the broker one scope, run in one process (see BROKER_MODULES_ELSEWHERE). pytest-xdist's own
+    loadgroup would do it with marks, but with pytest 9.2 it no longer groups anything (pytest-xdist issue
+    1386). --dist each runs everything in every process: left to xdist."""
+    if config.getvalue("dist") == "each":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
