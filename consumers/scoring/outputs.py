@@ -8,9 +8,12 @@ scores and alerts (key = account_id):
 dead-letter (key = the input record's key):
     {"reason": "...", "source_topic": "transactions", "source_partition": 0, "source_offset": 41,
      "value_base64": "eyJldmVudF9pZCI6..."}
+    (a record over DEAD_LETTER_VALUE_BYTES: its start, and "value_truncated": true, "value_bytes",
+    "value_sha256")
 """
 
 import base64
+import hashlib
 import json
 from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii as _json_string
@@ -63,15 +66,29 @@ def encode_scores(records: Sequence, model_version: str, timestamp_format: str =
     ]
 
 
+# The most of an input record's bytes a dead letter carries. Base64 makes 699,052 characters of them, so a
+# dead letter stays under Kafka's default record limit of 1 MB (the producer's max_request_size and the
+# topic's max.message.bytes) whatever came in: a record the producer refuses to send would fail its batch,
+# and the batch after it, until the service stopped.
+DEAD_LETTER_VALUE_BYTES = 512 * 1024
+
+
 def dead_letter_value(record, error: MessageError) -> bytes:
-    # The original bytes travel base64-encoded: they may not be UTF-8, let alone JSON.
-    return json.dumps(
-        {
-            "reason": str(error),
-            "source_topic": record.topic,
-            "source_partition": record.partition,
-            "source_offset": record.offset,
-            "value_base64": None if record.value is None else base64.b64encode(record.value).decode(),
-        },
-        separators=(",", ":"),
-    ).encode()
+    # The original bytes travel base64-encoded: they may not be UTF-8, let alone JSON. Beyond
+    # DEAD_LETTER_VALUE_BYTES, their start, marked as cut, with the whole record's length and SHA-256: the
+    # record itself is still at its source offset, for the topic's retention.
+    value = record.value
+    letter = {
+        "reason": str(error),
+        "source_topic": record.topic,
+        "source_partition": record.partition,
+        "source_offset": record.offset,
+        "value_base64": None if value is None else base64.b64encode(value[:DEAD_LETTER_VALUE_BYTES]).decode(),
+    }
+    if value is not None and len(value) > DEAD_LETTER_VALUE_BYTES:
+        letter |= {
+            "value_truncated": True,
+            "value_bytes": len(value),
+            "value_sha256": hashlib.sha256(value).hexdigest(),
+        }
+    return json.dumps(letter, separators=(",", ":")).encode()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from consumers.scoring.message_limits import ISO_TS_PATTERN, LATEST_US, MessageLimits
 from consumers.scoring.messages import LABEL_FIELDS, OPTIONAL_TRANSACTION_FIELDS, TRANSACTION_FIELDS
+from consumers.scoring.outputs import DEAD_LETTER_VALUE_BYTES
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "schemas"
 TOPICS = ("transactions", "labels", "scores", "alerts", "dead-letter")
@@ -180,10 +181,23 @@ def dead_letter_schema() -> dict:
             "value_base64": {
                 "type": ["string", "null"],
                 "contentEncoding": "base64",
-                "description": "the input record's value, byte for byte; null for a tombstone",
+                "description": f"the input record's value, byte for byte (its first {DEAD_LETTER_VALUE_BYTES:,} "
+                "bytes when value_truncated); null for a tombstone",
+            },
+            "value_truncated": {
+                "const": True,
+                "description": "present when the record was longer than a dead letter carries: value_base64 "
+                "holds its start, value_bytes and value_sha256 describe the whole",
+            },
+            "value_bytes": {"type": "integer", "minimum": 0, "description": "the whole record's length"},
+            "value_sha256": {
+                "type": "string",
+                "pattern": "^[0-9a-f]{64}$",
+                "description": "the whole record's SHA-256, hex",
             },
         },
         "required": ["reason", "source_topic", "source_partition", "source_offset", "value_base64"],
+        "dependentRequired": {"value_truncated": ["value_bytes", "value_sha256"]},
         "additionalProperties": False,
     }
 

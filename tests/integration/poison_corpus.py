@@ -60,6 +60,9 @@ def transaction_poison(
             raw("nesting_in_a_field", "[" * 20 + "1" + "]" * 20), "JSON nested 21 deep"),
         bad("oversize", "a 70 KB message: bounded so one record cannot hold a batch or memory",
             body("oversize", pad="x" * 70_000), "the limit is 65536"),
+        bad("oversize_for_a_dead_letter", "a 900 KB message: its dead letter, all of it base64-encoded, passed "
+            "the producer's 1 MB record limit, so the batch failed on every try and the service stopped",
+            body("oversize_for_a_dead_letter", pad="x" * 900_000), "the limit is 65536"),
         bad("null_value", "a tombstone on an event topic",
             None, "null value"),
         bad("empty_value", "zero bytes",
@@ -193,6 +196,9 @@ def label_poison(base: Label, now_us: int) -> list[Poison]:
             b'{"label_ts":' * 3_000, "JSON nested 3000 deep"),
         bad("oversize", "a 70 KB label",
             body(pad="x" * 70_000), "the limit is 65536"),
+        bad("oversize_for_a_dead_letter", "a 900 KB label: its whole dead letter passed the producer's 1 MB "
+            "record limit and failed every flush of the table writer",
+            body(pad="y" * 900_000), "the limit is 65536"),
         bad("null_value", "a tombstone",
             None, "null value"),
         bad("empty_value", "zero bytes",
