@@ -9,7 +9,7 @@ dead-letter (key = the input record's key):
     {"reason": "...", "source_topic": "transactions", "source_partition": 0, "source_offset": 41,
      "value_base64": "eyJldmVudF9pZCI6..."}
     (a record over DEAD_LETTER_VALUE_BYTES: its start, and "value_truncated": true, "value_bytes",
-    "value_sha256")
+    "value_sha256"; a key over DEAD_LETTER_KEY_BYTES: cut, and "key_truncated", "key_bytes", "key_sha256")
 """
 
 import base64
@@ -66,18 +66,21 @@ def encode_scores(records: Sequence, model_version: str, timestamp_format: str =
     ]
 
 
-# The most of an input record's bytes a dead letter carries. Base64 makes 699,052 characters of them, so a
-# dead letter stays under Kafka's default record limit of 1 MB (the producer's max_request_size and the
-# topic's max.message.bytes) whatever came in: a record the producer refuses to send would fail its batch,
-# and the batch after it, until the service stopped.
+# The most of an input record's value and key a dead letter carries: base64 makes 699,052 characters of the
+# value, so a dead letter stays under Kafka's default record limit of 1 MB (the producer's max_request_size and
+# the topic's max.message.bytes) whatever came in, even where a topic takes bigger records. A record the
+# producer refuses to send would fail its batch, and the batch after it, until the service stopped. A key is
+# an account id (at most max_id_chars) on every record the service scores; only a refused one is longer.
 DEAD_LETTER_VALUE_BYTES = 512 * 1024
+DEAD_LETTER_KEY_BYTES = 4 * 1024
 
 
-def dead_letter_value(record, error: MessageError) -> bytes:
-    # The original bytes travel base64-encoded: they may not be UTF-8, let alone JSON. Beyond
-    # DEAD_LETTER_VALUE_BYTES, their start, marked as cut, with the whole record's length and SHA-256: the
-    # record itself is still at its source offset, for the topic's retention.
-    value = record.value
+def dead_letter(record, error: MessageError) -> tuple[bytes | None, bytes]:
+    """(key, value) of the dead letter of an input `record` refused for `error`: the record's key, and its
+    value base64-encoded (it may not be UTF-8, let alone JSON) with where it came from and why. A value or
+    key over its bound above travels cut to it, marked so, with its whole length and SHA-256; the record
+    itself stays at its source offset, for the topic's retention."""
+    value, key = record.value, record.key
     letter = {
         "reason": str(error),
         "source_topic": record.topic,
@@ -86,9 +89,16 @@ def dead_letter_value(record, error: MessageError) -> bytes:
         "value_base64": None if value is None else base64.b64encode(value[:DEAD_LETTER_VALUE_BYTES]).decode(),
     }
     if value is not None and len(value) > DEAD_LETTER_VALUE_BYTES:
-        letter |= {
-            "value_truncated": True,
-            "value_bytes": len(value),
-            "value_sha256": hashlib.sha256(value).hexdigest(),
-        }
-    return json.dumps(letter, separators=(",", ":")).encode()
+        letter |= _cut("value", value)
+    if key is not None and len(key) > DEAD_LETTER_KEY_BYTES:
+        letter |= _cut("key", key)
+        key = key[:DEAD_LETTER_KEY_BYTES]
+    return key, json.dumps(letter, separators=(",", ":")).encode()
+
+
+def _cut(what: str, data: bytes) -> dict:
+    return {
+        f"{what}_truncated": True,
+        f"{what}_bytes": len(data),
+        f"{what}_sha256": hashlib.sha256(data).hexdigest(),
+    }

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from consumers.scoring.message_limits import ISO_TS_PATTERN, LATEST_US, MessageLimits
 from consumers.scoring.messages import LABEL_FIELDS, OPTIONAL_TRANSACTION_FIELDS, TRANSACTION_FIELDS
-from consumers.scoring.outputs import DEAD_LETTER_VALUE_BYTES
+from consumers.scoring.outputs import DEAD_LETTER_KEY_BYTES, DEAD_LETTER_VALUE_BYTES
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "schemas"
 TOPICS = ("transactions", "labels", "scores", "alerts", "dead-letter")
@@ -167,11 +167,29 @@ def _reasons() -> dict:
     }
 
 
+def _cut_fields(what: str, holder: str) -> dict:
+    # The fields a dead letter adds for an input value or key too long to carry whole.
+    return {
+        f"{what}_truncated": {
+            "const": True,
+            "description": f"present when the record's {what} was longer than a dead letter carries: {holder} "
+            f"holds its start, {what}_bytes and {what}_sha256 describe the whole",
+        },
+        f"{what}_bytes": {"type": "integer", "minimum": 0, "description": f"the whole {what}'s length"},
+        f"{what}_sha256": {
+            "type": "string",
+            "pattern": "^[0-9a-f]{64}$",
+            "description": f"the whole {what}'s SHA-256, hex",
+        },
+    }
+
+
 def dead_letter_schema() -> dict:
     return {
         "$schema": DIALECT,
         "title": "txsentinel dead-letter",
-        "description": "An input record the service could not score, and why. Key: the input record's key.",
+        "description": "An input record the service could not score, and why. Key: the input record's key "
+        f"(its first {DEAD_LETTER_KEY_BYTES:,} bytes when key_truncated).",
         "type": "object",
         "properties": {
             "reason": {"type": "string", "minLength": 1, "description": "what was wrong, and where"},
@@ -184,20 +202,14 @@ def dead_letter_schema() -> dict:
                 "description": f"the input record's value, byte for byte (its first {DEAD_LETTER_VALUE_BYTES:,} "
                 "bytes when value_truncated); null for a tombstone",
             },
-            "value_truncated": {
-                "const": True,
-                "description": "present when the record was longer than a dead letter carries: value_base64 "
-                "holds its start, value_bytes and value_sha256 describe the whole",
-            },
-            "value_bytes": {"type": "integer", "minimum": 0, "description": "the whole record's length"},
-            "value_sha256": {
-                "type": "string",
-                "pattern": "^[0-9a-f]{64}$",
-                "description": "the whole record's SHA-256, hex",
-            },
+            **_cut_fields("value", "value_base64"),
+            **_cut_fields("key", f"the record's key (cut to its first {DEAD_LETTER_KEY_BYTES:,} bytes)"),
         },
         "required": ["reason", "source_topic", "source_partition", "source_offset", "value_base64"],
-        "dependentRequired": {"value_truncated": ["value_bytes", "value_sha256"]},
+        "dependentRequired": {
+            "value_truncated": ["value_bytes", "value_sha256"],
+            "key_truncated": ["key_bytes", "key_sha256"],
+        },
         "additionalProperties": False,
     }
 

@@ -36,7 +36,7 @@ from consumers.runtime.settings import ServeConfig
 from consumers.scoring.explain import encode_alert
 from consumers.scoring.message_limits import MessageError, MessageLimits
 from consumers.scoring.messages import Transaction, UnknownFields, decode_transaction
-from consumers.scoring.outputs import dead_letter_value, encode_scores
+from consumers.scoring.outputs import dead_letter, encode_scores
 from consumers.scoring.scorer import Scorer
 from consumers.service.commit_pipeline import OutputRecord, ScoredBatch
 from consumers.service.dormant import DormantStates
@@ -246,7 +246,7 @@ class BatchScorer:
         out.reloaded = len(returning)
 
     def _dead_letter_record(self, record, error: MessageError) -> OutputRecord:
-        return (self.dead_letter_topic, record.key, dead_letter_value(record, error), None)
+        return (self.dead_letter_topic, *dead_letter(record, error), None)
 
     def _dead_letter(self, out: ScoredBatch, record, error: MessageError) -> None:
         out.records.append(self._dead_letter_record(record, error))

@@ -38,7 +38,7 @@ from consumers.runtime.settings import ServeConfig
 from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import ensure_topics
 from consumers.scoring.message_limits import MessageLimits
-from consumers.scoring.outputs import dead_letter_value
+from consumers.scoring.outputs import dead_letter
 from consumers.terminals.feed import FeedRead, FeedReader
 from consumers.terminals.idle import TerminalEviction
 from consumers.terminals.table import flush_records
@@ -221,12 +221,12 @@ class TerminalTableWriter:
         `capped` beyond the cap, unless back since), the changed terminals still held, the positions last.
         `paced`: in chunks with pauses between them (FLUSH_CHUNK); a writer that is stopping flushes at once."""
         cfg = self.cfg
-        table, dead_letter = cfg.topic("terminal_table"), cfg.topic("dead_letter")
+        table, dead_letter_topic = cfg.topic("terminal_table"), cfg.topic("dead_letter")
         held = featurizer.terminals
         # A terminal let go over the cap whose events came again since is held anew: its record, no tombstone.
         gone = sorted({t for t in (*evicted, *capped) if t not in held})
         changed = {t for t in changed if t in held}
-        records = [(dead_letter, record.key, dead_letter_value(record, error), None) for record, error in bad]
+        records = [(dead_letter_topic, *dead_letter(record, error), None) for record, error in bad]
         records += [(table, terminal, None, 0) for terminal in gone]  # compaction deletes them
         records += [
             (table, key, value, 0)

@@ -63,6 +63,10 @@ def transaction_poison(
         bad("oversize_for_a_dead_letter", "a 900 KB message: its dead letter, all of it base64-encoded, passed "
             "the producer's 1 MB record limit, so the batch failed on every try and the service stopped",
             body("oversize_for_a_dead_letter", pad="x" * 900_000), "the limit is 65536"),
+        bad("key_and_value_too_big_for_a_dead_letter", "a 700 KB key on a 300 KB message: each under the "
+            "producer's 1 MB record limit, together (the value base64-encoded) over it",
+            body("key_and_value_too_big_for_a_dead_letter", pad="x" * 300_000), "the limit is 65536",
+            record_key=b"K" * 700_000),
         bad("null_value", "a tombstone on an event topic",
             None, "null value"),
         bad("empty_value", "zero bytes",

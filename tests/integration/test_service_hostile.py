@@ -275,13 +275,13 @@ def test_poison_of_every_kind_is_dead_lettered_and_leaves_no_trace(kafka_bootstr
         key, letter = dead[where]
         assert p.reason in letter["reason"], (p.kind, p.what, letter["reason"])
         original = None if letter["value_base64"] is None else base64.b64decode(letter["value_base64"])
-        if letter.get("value_truncated"):  # too big to carry whole: its start, length and hash
-            assert (letter["value_bytes"], letter["value_sha256"]) == (
-                len(p.value),
-                sha256(p.value).hexdigest(),
-            )
-            assert original == p.value[: len(original)] and len(original) < len(p.value), p.kind
-            original = p.value
+        for field, whole, part in (("value", p.value, original), ("key", p.key, key)):
+            if letter.get(f"{field}_truncated"):  # too big to carry whole: its start, length and hash
+                assert letter[f"{field}_bytes"] == len(whole), p.kind
+                assert letter[f"{field}_sha256"] == sha256(whole).hexdigest(), p.kind
+                assert part == whole[: len(part)] and len(part) < len(whole), p.kind
+        original = p.value if letter.get("value_truncated") else original
+        key = p.key if letter.get("key_truncated") else key
         assert (original, key) == (p.value, p.key), f"{p.kind}: not its original bytes and key"
     assert plain.letters == []
 

@@ -22,7 +22,7 @@ from consumers.scoring.messages import (
     encode_label,
     encode_transaction,
 )
-from consumers.scoring.outputs import DEAD_LETTER_VALUE_BYTES
+from consumers.scoring.outputs import DEAD_LETTER_KEY_BYTES, DEAD_LETTER_VALUE_BYTES
 from consumers.scoring.topic_schemas import SHIPPED_DIR, TOPICS, shipped_schemas, topic_schemas, write_schemas
 from pipeline.cli.main import main
 from tests.consumers.scoring.test_message_properties import NOW_US, near_miss, to_bytes
@@ -126,6 +126,7 @@ def test_what_the_service_writes_is_valid_under_the_schemas(timestamp_format):
         (b"A1", b"\xff not json"),
         (b"\xff\xfe", None),  # a tombstone
         (b"A1", tx("E6", "A1", start + 4, pad="x" * 900_000)),  # oversize, and too big to dead-letter whole
+        (b"K" * 600_000, tx("E7", "A1", start + 5)),  # a key no account has, and too long to carry whole
     ]
     batches = hostile_batch_scorer(tiny_scorer(), timestamp_format=timestamp_format, threshold=0.0)
     out = batches.score(polled(values))
@@ -135,7 +136,7 @@ def test_what_the_service_writes_is_valid_under_the_schemas(timestamp_format):
         if topic in written:
             schemas[written[topic]].validate(json.loads(value))
             seen[written[topic]] += 1
-    assert seen == {"scores": 3, "alerts": 3, "dead-letter": 5}  # threshold 0: every score is an alert
+    assert seen == {"scores": 3, "alerts": 3, "dead-letter": 6}  # threshold 0: every score is an alert
     assert out.unknown_fields == 1
     dead = [v for t, _, v, _ in out.records if t == "p-dead-letter"]
     letters = [json.loads(v) for v in dead]
@@ -146,11 +147,19 @@ def test_what_the_service_writes_is_valid_under_the_schemas(timestamp_format):
     )
     # Kafka's default record limit is 1 MB (the producer refuses a bigger record): the letter of a 900 KB
     # record carries its start, and its length and hash, and stays under it.
-    big, letter = values[-1][1], letters[4]
+    big, letter = values[-2][1], letters[4]
     assert len(dead[4]) < 1_000_000 and "the limit is 65536" in letter["reason"]
     assert letter["value_truncated"] is True and letter["value_bytes"] == len(big)
     assert letter["value_sha256"] == hashlib.sha256(big).hexdigest()
     assert base64.b64decode(letter["value_base64"]) == big[:DEAD_LETTER_VALUE_BYTES]
+    (key, value), letter = [(k, v) for t, k, v, _ in out.records if t == "p-dead-letter"][5], letters[5]
+    assert key == b"K" * DEAD_LETTER_KEY_BYTES and len(key) + len(value) < 10_000
+    assert (letter["key_truncated"], letter["key_bytes"]) == (
+        True,
+        600_000,
+    ) and "value_truncated" not in letter
+    assert letter["key_sha256"] == hashlib.sha256(b"K" * 600_000).hexdigest()
+    assert base64.b64decode(letter["value_base64"]) == values[-1][1]
 
 
 def test_write_schemas_writes_one_file_a_topic(tmp_path):
