@@ -25,12 +25,14 @@ each holds, when each folds, so for a while a terminal may be gone on one and he
 silently: an error at most every CAP_LOG_EVERY_S, with what to do, and a count
 (txsentinel_terminals_capped_total; docs/operations.md, "Too many terminals").
 
-Which go first (_cap_order): the terminals without a fraud report inside the windows, then those with the
-fewest events inside them, then the least recently active (the newest of their event and report days),
-then by terminal id, so that holders holding the same terminals let the same ones go. A flood of made-up
-terminal ids, one event each, then lets its own terminals go before any terminal with a history: least
-recently active first would let go of yesterday's busy terminals and of the compromised ones whose reports
-the terminal-risk features read, and keep the flood's, all active today.
+Which go first (_cap_order): the terminals without a fraud report inside the windows (a report counts at a
+terminal that has had events: labels alone, for events that never were, protect nothing), then
+those with the fewest events inside them, then the least recently active (the newest of their event and
+report days), then by terminal id, so that holders holding the same records let the same ones go. A flood
+of made-up terminal ids, an event each, then lets its own terminals go before any terminal with two or more
+events or a report inside the windows: by recency alone, yesterday's busy terminals and the compromised ones
+whose reports the terminal-risk features read would go first, and the flood's, all active today, would
+stay. Among terminals of one event each, the flood's and the quiet real ones alike, the oldest go first.
 """
 
 import datetime
@@ -95,8 +97,10 @@ def _cap_order(table: StateTable, slots: np.ndarray) -> tuple[np.ndarray, np.nda
         rows = slice(start, min(start + CAP_ORDER_ROWS, end))  # free slots among them: read, never used
         report_day = records["report_day"][rows]  # [rows, RING_DAYS]
         events = np.where(records["day"][rows] >= first_day, records["day_count"][rows], 0).sum(axis=1)
+        event_day = records["max_day"][rows]  # -1: no event ever, only labels
         reported = ((report_day >= first_day) & (records["report_count"][rows] > 0)).any(axis=1)
-        active_day[rows] = np.maximum(records["max_day"][rows], report_day.max(axis=1))
+        reported &= event_day >= 0
+        active_day[rows] = np.maximum(event_day, report_day.max(axis=1))
         order[rows] = (
             (reported.astype(np.int64) << (_DAY_BITS + _EVENT_BITS))
             + (np.minimum(events, (1 << _EVENT_BITS) - 1).astype(np.int64) << _DAY_BITS)
@@ -108,15 +112,22 @@ def _cap_order(table: StateTable, slots: np.ndarray) -> tuple[np.ndarray, np.nda
 
 def _first_to_go(
     keys: list[str], order: np.ndarray, active_day: np.ndarray, count: int
-) -> tuple[list[str], int]:
-    """The `count` of `keys` lowest in `order` [N] (ties by id, so every holder picks alike), and the day the
-    most recently active of them was last active (-1: none was). 0 < count < N."""
+) -> tuple[list[str], int, int]:
+    """The `count` of `keys` lowest in `order` [N] (ties by id, so every holder picks alike); the day the most
+    recently active of them was last active (-1: none was); and how many of them had a history (a report,
+    or two events or more, inside the windows). 0 < count < N."""
     bound = int(np.partition(order, count - 1)[count - 1])  # the highest order among those that go
     lower = np.flatnonzero(order < bound)
-    at_bound = np.flatnonzero(order == bound)
-    tied = sorted(at_bound.tolist(), key=keys.__getitem__)[: count - len(lower)]  # ~0.3 s a million ids
-    gone = np.concatenate([lower, np.asarray(tied, dtype=np.int64)])
-    return [keys[i] for i in gone.tolist()], int(active_day[gone].max())
+    # A flood ties millions on one order: their ids sorted as they are (~0.3 s a million), no index lists.
+    tied = sorted(keys[i] for i in np.flatnonzero(order == bound))[: count - len(lower)]
+    day = max(int(active_day[lower].max()) if len(lower) else -1, (bound & ((1 << _DAY_BITS) - 1)) - 1)
+    with_history = int(_had_history(order[lower]).sum()) + len(tied) * int(_had_history(np.array([bound]))[0])
+    return [keys[i] for i in lower.tolist()] + tied, day, with_history
+
+
+def _had_history(order: np.ndarray) -> np.ndarray:
+    # [N] bool from cap orders [N]: a report, or two events or more, inside the windows
+    return (order >> _DAY_BITS) >= 2  # the events field is >= 2, or the report bit above it is set
 
 
 def _date(day: int) -> str:
@@ -145,6 +156,7 @@ class TerminalEviction:
         self.capped = 0  # over the cap, since the start
         self.logged_at = -math.inf  # time.monotonic() of the cap's last error
         self.unlogged = 0  # let go over the cap since that error
+        self.unlogged_with_history = 0  # of them, those with a report or two events or more in the windows
         self.unlogged_day = self.unlogged_newest = -1  # the newest day of activity among them, and held
 
     def evict(self, table: StateTable, now: float | None = None, force: bool = False) -> list[str]:
@@ -168,11 +180,12 @@ class TerminalEviction:
             keys = list(table.slot_of)
             slots = np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))
             order, active_day, newest_held = _cap_order(table, slots)
-            gone, day = _first_to_go(keys, order, active_day, len(keys) - self.keep)
+            gone, day, with_history = _first_to_go(keys, order, active_day, len(keys) - self.keep)
             for terminal in gone:
                 table.evict(terminal)
             self.capped += len(gone)
             self.unlogged += len(gone)
+            self.unlogged_with_history += with_history
             self.unlogged_day, self.unlogged_newest = max(self.unlogged_day, day), newest_held
         if self.unlogged:
             now = time.monotonic() if now is None else now
@@ -185,12 +198,12 @@ class TerminalEviction:
         day, newest = self.unlogged_day, self.unlogged_newest
         log.error(
             "terminals let go over the cap before they were idle holder=%s max_terminals_in_memory=%d "
-            "let_go=%d since_start=%d newest_let_go_active=%s days_before_newest_held=%s: their counts still "
-            "inside the %d-day windows are lost to the features of their later events. Raise "
+            "let_go=%d with_history=%d since_start=%d newest_let_go_active=%s days_before_newest_held=%s: their "
+            "counts still inside the %d-day windows are lost to the features of their later events. Raise "
             "max_terminals_in_memory (~1 KB a terminal) above the terminals active within terminal_idle_days, "
             "and look for what sends so many new terminal ids (docs/operations.md, \"Too many terminals\")",
-            self.holder, self.max_terminals, self.unlogged, self.capped, _date(day),
+            self.holder, self.max_terminals, self.unlogged, self.unlogged_with_history, self.capped, _date(day),
             newest - day if day >= 0 and newest >= 0 else "-", RING_DAYS,
         )  # fmt: skip
-        self.unlogged = 0
+        self.unlogged = self.unlogged_with_history = 0
         self.unlogged_day = -1

@@ -1,6 +1,7 @@
-"""The cap on terminals held (consumers/terminals/idle.py): over max_terminals_in_memory the least recently
-active go at once, down to the mark; under it nothing goes between scans; it is never silent; and the table
-writer deletes what it lets go with tombstones. A scorer's batches: tests/consumers/service/test_batch_scoring.py;
+"""The cap on terminals held (consumers/terminals/idle.py): over max_terminals_in_memory those with the least
+history go at once (no report, the fewest events in the windows, the least recently active), down to the
+mark; under it nothing goes between scans; it is never silent; and the table writer deletes what it lets
+go with tombstones. A scorer's batches: tests/consumers/service/test_batch_scoring.py;
 the whole service: tests/integration/test_service_labels.py."""
 
 import logging
@@ -26,8 +27,9 @@ def busy_days(days: dict[str, int], order: list[str] | None = None) -> Streaming
     return featurizer
 
 
-def test_over_the_cap_the_least_recently_active_go_first_down_to_the_mark():
-    # T-00 .. T-10 last active on days 0 .. 10, but T-00 was reported on day 50: it was active most recently.
+def test_over_the_cap_among_equal_histories_the_least_recently_active_go_first_down_to_the_mark():
+    # T-00 .. T-10 last active on days 0 .. 10, none with an event inside the windows of day 50; but T-00 was
+    # reported on day 50: its report is inside them.
     featurizer = busy_days({f"T-{d:02d}": d for d in range(11)})
     featurizer.transform(events(["T-late"], [50]), fraud("T-00", 50))
     table = featurizer.terminals
@@ -88,7 +90,7 @@ def test_letting_go_over_the_cap_is_an_error_the_first_time_then_at_most_once_a_
     with caplog.at_level(logging.ERROR, logger="consumers.terminals.idle"):
         eviction.cap(featurizer.terminals, now=100.0)
         (first,) = caplog.messages
-        assert "holder=scorer max_terminals_in_memory=10 let_go=2 since_start=2" in first
+        assert "holder=scorer max_terminals_in_memory=10 let_go=2 with_history=0 since_start=2" in first
         # T-01 was the most recently active of those let go: day 1, 9 days before the newest (T-10's).
         assert "newest_let_go_active=2024-10-05 days_before_newest_held=9" in first
         assert "Raise max_terminals_in_memory" in first and "so many new terminal ids" in first
@@ -98,7 +100,7 @@ def test_letting_go_over_the_cap_is_an_error_the_first_time_then_at_most_once_a_
         assert len(caplog.messages) == 1 and eviction.capped == 4
         eviction.cap(featurizer.terminals, now=100.0 + CAP_LOG_EVERY_S)  # due: what went since the first
         assert len(caplog.messages) == 2
-        assert "let_go=2 since_start=4 newest_let_go_active=2024-10-07" in caplog.messages[1]
+        assert "let_go=2 with_history=0 since_start=4 newest_let_go_active=2024-10-07" in caplog.messages[1]
         eviction.cap(featurizer.terminals, now=1_000.0)  # nothing went since: nothing to say
         assert len(caplog.messages) == 2
     assert all(record.levelno == logging.ERROR for record in caplog.records)
@@ -149,7 +151,7 @@ def test_the_writer_lets_go_over_the_cap_at_once_and_deletes_them_with_tombstone
     assert record["day_count"].sum() == 5  # its event on day 100 went with it: the cap changes features
 
 
-def test_a_flood_of_made_up_terminals_lets_its_own_go_and_keeps_every_terminal_with_a_history():
+def test_a_flood_of_made_up_terminals_lets_its_own_go_and_keeps_every_terminal_with_a_history(caplog):
     featurizer = StreamingFeaturizer()
     days = list(range(20, 30))  # the ten days before the flood's
     busy = [f"busy-{i}" for i in range(10)]  # an event a day each
@@ -163,22 +165,34 @@ def test_a_flood_of_made_up_terminals_lets_its_own_go_and_keeps_every_terminal_w
     eviction = TerminalEviction(90, max_terminals=100)
     flood = [f"flood-{i}" for i in range(1_000)]  # one event each, all on the newest day
     let_go = []
-    for start in range(0, len(flood), 50):
-        featurizer.transform(events(flood[start : start + 50], [30] * 50))
-        let_go += eviction.cap(featurizer.terminals, now=0.0)
+    with caplog.at_level(logging.ERROR, logger="consumers.terminals.idle"):
+        for start in range(0, len(flood), 50):
+            featurizer.transform(events(flood[start : start + 50], [30] * 50))
+            let_go += eviction.cap(featurizer.terminals, now=0.0)
     held = set(featurizer.terminals)
     assert set(busy) | set(reported) <= held  # least recently active first would have let every one go
     assert set(quiet) <= set(let_go)  # as little history as a flood's terminal, and older
-    assert len(held) <= 100 and len(held - set(busy) - set(reported)) == len(held) - 15
+    assert len(held) <= 100 and set(let_go) <= set(quiet) | set(flood)
+    assert "with_history=0" in caplog.messages[0]  # all one-event terminals: ids made up, not a cap too low
 
 
-def test_a_flood_of_new_terminals_grows_the_records_to_the_row_limit_and_no_further():
-    featurizer = StreamingFeaturizer()
-    eviction = TerminalEviction(90, max_terminals=1_000)
-    featurizer.terminals.row_limit = eviction.row_limit  # as every holder sets it on the table it folds into
-    for start in range(0, 5_000, 50):
-        featurizer.transform(events([f"flood-{i}" for i in range(start, start + 50)], [0] * 50))
-        eviction.cap(featurizer.terminals, now=0.0)
-        assert len(featurizer.terminals) <= 1_000
-    assert len(featurizer.terminals.records) == eviction.row_limit == 1_100  # doubling would have made 2,048
-    assert eviction.capped == 5_000 - len(featurizer.terminals)
+def test_labels_for_terminals_no_event_has_named_protect_nothing_and_a_history_let_go_is_counted():
+    featurizer = busy_days({f"T-{d:02d}": 20 + d for d in range(5)})  # an event each, days 20-24
+    for terminal in ["made-up-1", "made-up-2", "made-up-3"]:  # fraud labels for events that never were
+        featurizer.transform(events([], []), fraud(terminal, 24))
+    featurizer.transform(events(["T-00"], [24]))  # two events inside the windows
+    featurizer.transform(events(["T-busy"] * 3, [22, 23, 24]))  # three
+    eviction = TerminalEviction(90, max_terminals=7)  # 9 held, the mark is 7
+    assert sorted(eviction.cap(featurizer.terminals, now=0.0)) == ["made-up-1", "made-up-2"]
+    assert eviction.unlogged_with_history == 0
+    eviction.max_terminals, eviction.keep = 2, 2  # 7 held: the one-event terminals go, the newest too
+    assert sorted(eviction.cap(featurizer.terminals, now=0.0)) == [
+        "T-01",
+        "T-02",
+        "T-03",
+        "T-04",
+        "made-up-3",
+    ]
+    assert eviction.unlogged_with_history == 0 and sorted(featurizer.terminals) == ["T-00", "T-busy"]
+    eviction.max_terminals, eviction.keep = 1, 1
+    assert eviction.cap(featurizer.terminals, now=0.0) == ["T-00"] and eviction.unlogged_with_history == 1
