@@ -3,10 +3,14 @@ messages the service decodes (consumers/scoring/message_limits.py), so that no r
 the live service would refuse.
 
 An id is a non-empty string of at most `max_id_chars` characters, each printable (str.isprintable: no
-control, format, surrogate, private-use, unassigned or separator character but the space) and visible.
+control, format, surrogate, private-use, unassigned or separator character but the space) and visible, and
+its first character after any spaces is no combining mark (one has nothing to combine with: an id of
+marks alone prints as no character). Ids are compared code point by code point, as Kafka compares keys:
+"Zoë" written precomposed (NFC) and decomposed (NFD) are two ids, two accounts, as they would be two keys.
 """
 
 import re
+import unicodedata
 
 MAX_ID_CHARS = 256  # the service's default max_id_chars
 
@@ -24,7 +28,12 @@ def unseen_character(value: str) -> str | None:
     that is not printable or prints as nothing; None when every one is fine."""
     if value.isprintable():  # C speed; only a refused value pays for the searches below
         invisible = INVISIBLE.search(value)
-        return None if invisible is None else f"U+{ord(invisible.group()):04X}, which prints as nothing"
+        if invisible is not None:
+            return f"U+{ord(invisible.group()):04X}, which prints as nothing"
+        first = value.lstrip(" ")[:1]
+        if first and not first.isascii() and unicodedata.category(first).startswith("M"):
+            return f"U+{ord(first):04X} first, a combining mark with no character before it to combine with"
+        return None
     bad = next(c for c in value if not c.isprintable())
     kind = "a lone surrogate, which UTF-8 cannot encode" if 0xD800 <= ord(bad) <= 0xDFFF else "not printable"
     return f"U+{ord(bad):04X}, {kind}"

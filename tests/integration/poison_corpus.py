@@ -131,6 +131,8 @@ def transaction_poison(
             body("zero_width_in_id", terminal_id="T\u200b9"), "holds U+200B, not printable"),
         bad("invisible_id", "an account_id of one Hangul filler, printable to Python yet blank",
             body("invisible_id", account_id="\u3164"), "holds U+3164, which prints as nothing"),
+        bad("combining_marks_id", "a terminal_id of a space and two acute accents: marks alone print as no character",
+            body("combining_marks_id", terminal_id=" \u0301\u0301"), "U+0301 first, a combining mark"),
         bad("overlong_id", "a 300-character event_id",
             body("overlong_id", event_id="E" * 300), "300 characters; the limit is 256"),
         bad("blank_id", "an event_id of spaces",

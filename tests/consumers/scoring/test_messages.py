@@ -166,6 +166,8 @@ NOW_US = parse_ts("2026-03-01T12:00:00Z", "now")
         (message(terminal_id="\u3164"), "holds U+3164, which prints as nothing"),  # Hangul filler: blank
         (message(event_id="E\u034f1"), "holds U+034F, which prints as nothing"),  # grapheme joiner
         (message(account_id="\u2800"), "holds U+2800, which prints as nothing"),  # Braille blank
+        (message(account_id="\u0301"), "holds U+0301 first, a combining mark with no character before it"),
+        (message(terminal_id=" \u0301\u0301"), "holds U+0301 first, a combining mark"),  # spaces, marks
         (message(country="F\nR"), "'country': 'F\\nR' holds U+000A"),
         (message(event_id="E" * 257), "257 characters; the limit is 256"),
         (message(ts="2026-03-01T13:00:01Z"), "3601 s in the future: more than max_ts_skew_s = 3600"),

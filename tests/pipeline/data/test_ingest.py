@@ -532,6 +532,7 @@ def test_a_label_delay_past_ten_years_is_refused_in_one_line(days, tmp_path, cap
 def test_ingest_keeps_exactly_the_ids_the_service_decodes(tmp_path):
     # One rule for both (pipeline/data/ids.py): a row trained on must not carry an id the service refuses.
     ids = ["A1", "A 1", "é-ok", "\U0001f600", "A\u200b1", "T\x01", "\u034f", "x" * 257, "\u2800", "a\ufe0fb"]
+    ids += ["e\u0301-ok", " \u0301"]  # a mark after its letter; marks alone
     rows = "".join(f"E{i},{v},2026-03-01T12:00:00Z,1.5,T{i},0\n" for i, v in enumerate(ids))
     csv = write(tmp_path / "t.csv", "event_id,account_id,ts,amount,terminal_id,is_fraud\n" + rows)
     report = ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out", on_invalid="quarantine"))
@@ -544,10 +545,14 @@ def test_ingest_keeps_exactly_the_ids_the_service_decodes(tmp_path):
         return True
 
     kept = read_dataset(tmp_path / "out")["account_id"].to_list()
-    assert kept == [v for v in ids if decodes(v)] == ["A1", "A 1", "é-ok", "\U0001f600"]
+    kept_in_order = sorted(kept, key=ids.index)  # the output is sorted by event_id: E10 before E2
+    assert (
+        kept_in_order == [v for v in ids if decodes(v)] == ["A1", "A 1", "é-ok", "\U0001f600", "e\u0301-ok"]
+    )
     reasons = pl.read_parquet(tmp_path / "out" / QUARANTINE_FILE)["reason"].to_list()
     assert (
         "holds U+200B, not printable" in reasons[0] and "holds U+034F, which prints as nothing" in reasons[2]
     )
     assert "has 257 characters, over the limit of 256" in reasons[3]
-    assert report.rows_quarantined == 6
+    assert "holds U+0301 first, a combining mark" in reasons[6]
+    assert report.rows_quarantined == 7
