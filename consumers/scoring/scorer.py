@@ -177,10 +177,15 @@ class Scorer(HeldAccounts, HistoryReplay):
             ts_us=np.fromiter((t.ts_us for t in transactions), dtype=np.int64, count=n),
             amounts=np.fromiter((t.amount for t in transactions), dtype=np.float64, count=n),
         )
+        stamped_us = None  # the events' own ts where the clamp below moved one: what out_of_order compares
         if clock_us is not None:
             last_of_day = (clock_us // DAY_US + 1) * DAY_US - 1
-            np.minimum(events.ts_us, last_of_day, out=events.ts_us)
-        out = self._score_batch(events, [t.event_id for t in transactions], pos, labels)
+            if int(events.ts_us.max(initial=0)) > last_of_day:
+                stamped_us = events.ts_us.copy()
+                np.minimum(events.ts_us, last_of_day, out=events.ts_us)
+        out = self._score_batch(
+            events, [t.event_id for t in transactions], pos, labels, stamped_us=stamped_us
+        )
         records = [
             ScoreRecord(
                 event_id=transactions[i].event_id,
@@ -235,8 +240,11 @@ class Scorer(HeldAccounts, HistoryReplay):
         pos: np.ndarray | None,
         labels: LabelBatch | None,
         explain: bool = True,
+        stamped_us: np.ndarray | None = None,
     ) -> ScoredArrays:
-        # explain: reasons for the alerts, when the scorer gives reasons at all
+        # explain: reasons for the alerts, when the scorer gives reasons at all; stamped_us [N]: the events'
+        # own ts, where events.ts_us holds them clamped to the clock's day (score's docstring), so that an
+        # event is out of order against the ts its account's events were stamped with
         started = time.perf_counter()
         n = len(events.ts_us)
         rows = self.store.rows(events.account_ids)  # [N]; new accounts start from init_state
@@ -297,7 +305,8 @@ class Scorer(HeldAccounts, HistoryReplay):
                 t = time.perf_counter()
                 snapshot = explainer.snapshot(self.store.states, rows[applied]) if explainer else None
                 self.stats.explain_s += time.perf_counter() - t
-                logit, late = self._step_events(rows[applied], torch.from_numpy(x), ts_us)  # x [M, F + 1]
+                stamped = ts_us if stamped_us is None else stamped_us[applied]
+                logit, late = self._step_events(rows[applied], torch.from_numpy(x), stamped)  # x [M, F + 1]
                 if not np.isfinite(logit).all():
                     bad = int(applied[np.flatnonzero(~np.isfinite(logit))[0]])
                     raise FloatingPointError(

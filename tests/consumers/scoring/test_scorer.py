@@ -202,6 +202,26 @@ def test_out_of_order_events_are_flagged_and_scored(name, frame, spec):
     assert scorer.stats.out_of_order == 2
 
 
+def test_an_event_after_one_stamped_past_the_clock_s_day_is_out_of_order_against_its_stamp(frame, spec):
+    # At 23:30 an event stamped 00:20 tomorrow scores as of today's last microsecond (score's docstring);
+    # after midnight one stamped 00:10 was still made before it, by the stamps its producer wrote.
+    scorer = Scorer(make_model("lstm", spec))
+    minute = 60_000_000
+    clock = 20_000 * 86_400_000_000 + 23 * 60 * minute + 30 * minute
+    ahead = scorer.score_batch(
+        [Transaction("E1", "A", clock + 50 * minute, 10.0, "T")], clock_us=clock
+    ).records
+    after = scorer.score_batch(
+        [
+            Transaction("E2", "A", clock + 40 * minute, 10.0, "T"),  # 00:10, older than E1's 00:20
+            Transaction("E3", "A", clock + 55 * minute, 10.0, "T"),  # 00:25
+        ],
+        clock_us=clock + 45 * minute,
+    ).records
+    assert [r.out_of_order for r in ahead + after] == [False, True, False]
+    assert [r.ts_us for r in ahead] == [clock + 50 * minute]  # its own ts in the output
+
+
 # -- state records ---------------------------------------------------------------------------------------
 
 
