@@ -43,7 +43,7 @@ def pytest_runtest_setup(item):
 # broker in one process, one after another and first, since the broker is one and some of them restart it;
 # every other module whole (its module fixtures made once) in whichever process is free. The broker's tests
 # spend most of their time waiting on Kafka, which the other modules fill. Modules outside tests/integration/
-# that use the broker are named here; collection fails for one that uses it unnamed.
+# that use the broker are named here; a test that uses it from a module not named fails in its setup.
 BROKER_MODULES_ELSEWHERE = {
     "tests/pipeline/bench/test_restore.py",
     "tests/test_demo.py",

@@ -58,9 +58,12 @@ class MessageLimits:
 
     def __post_init__(self):
         for name, least, most in (
-            ("max_message_bytes", 64, 16 * 1024 * 1024),
+            # What the service writes must pass Kafka's default 1 MB record limit (the producer's
+            # max_request_size, a topic's max.message.bytes): a record written again whole (key_mismatch:
+            # rekey), and a score, an alert or a dead letter holding ids, up to 12 bytes a character in JSON.
+            ("max_message_bytes", 64, 1_000_000),
             ("max_json_depth", 1, 64),  # the parser recurses once a level: kept far from the stack's limit
-            ("max_id_chars", 1, 65_536),
+            ("max_id_chars", 1, 4_096),
         ):
             value = getattr(self, name)
             if not is_integer(value) or not least <= value <= most:

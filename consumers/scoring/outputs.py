@@ -66,23 +66,27 @@ def encode_scores(records: Sequence, model_version: str, timestamp_format: str =
     ]
 
 
-# The most of an input record's value and key a dead letter carries: base64 makes 699,052 characters of the
-# value, so a dead letter stays under Kafka's default record limit of 1 MB (the producer's max_request_size and
-# the topic's max.message.bytes) whatever came in, even where a topic takes bigger records. A record the
-# producer refuses to send would fail its batch, and the batch after it, until the service stopped. A key is
-# an account id (at most max_id_chars) on every record the service scores; only a refused one is longer.
+# The most of an input record's value, key and reason a dead letter carries: base64 makes 699,052 characters
+# of the value, the key is at most 16 KiB, the reason at most 8,192 characters (98,304 bytes of JSON, 12 an
+# astral character), so a dead letter stays under Kafka's default record limit of 1 MB (the producer's
+# max_request_size and the topic's max.message.bytes) whatever came in, even where a topic takes bigger
+# records. A record the producer refuses to send would fail its batch, and the batch after it, until the
+# service stopped. A key that is an account id (at most max_id_chars, 4,096, of at most 4 bytes) is never cut.
 DEAD_LETTER_VALUE_BYTES = 512 * 1024
-DEAD_LETTER_KEY_BYTES = 4 * 1024
+DEAD_LETTER_KEY_BYTES = 16 * 1024
+DEAD_LETTER_REASON_CHARS = 8_192
 
 
 def dead_letter(record, error: MessageError) -> tuple[bytes | None, bytes]:
     """(key, value) of the dead letter of an input `record` refused for `error`: the record's key, and its
     value base64-encoded (it may not be UTF-8, let alone JSON) with where it came from and why. A value or
-    key over its bound above travels cut to it, marked so, with its whole length and SHA-256; the record
-    itself stays at its source offset, for the topic's retention."""
-    value, key = record.value, record.key
+    key over its bound above travels cut to it, marked so, with its whole length and SHA-256 (a reason is
+    cut, saying its length); the record itself stays at its source offset, for the topic's retention."""
+    value, key, reason = record.value, record.key, str(error)
+    if len(reason) > DEAD_LETTER_REASON_CHARS:  # a reason quotes ids and values, which settings may make long
+        reason = f"{reason[: DEAD_LETTER_REASON_CHARS - 40]}... ({len(reason):,} characters in all)"
     letter = {
-        "reason": str(error),
+        "reason": reason,
         "source_topic": record.topic,
         "source_partition": record.partition,
         "source_offset": record.offset,

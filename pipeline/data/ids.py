@@ -26,7 +26,9 @@ INVISIBLE = re.compile(
 def unseen_character(value: str) -> str | None:
     """What makes `value` unfit to read as an id, character-wise: "U+XXXX, <why>" for its first character
     that is not printable or prints as nothing; None when every one is fine."""
-    if value.isprintable():  # C speed; only a refused value pays for the searches below
+    if value.isprintable():  # C speed; an ASCII id pays nothing more, a refused one the searches below
+        if value.isascii():  # no ASCII character is invisible or a combining mark
+            return None
         invisible = INVISIBLE.search(value)
         if invisible is not None:
             return f"U+{ord(invisible.group()):04X}, which prints as nothing"

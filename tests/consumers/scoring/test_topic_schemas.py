@@ -153,13 +153,40 @@ def test_what_the_service_writes_is_valid_under_the_schemas(timestamp_format):
     assert letter["value_sha256"] == hashlib.sha256(big).hexdigest()
     assert base64.b64decode(letter["value_base64"]) == big[:DEAD_LETTER_VALUE_BYTES]
     (key, value), letter = [(k, v) for t, k, v, _ in out.records if t == "p-dead-letter"][5], letters[5]
-    assert key == b"K" * DEAD_LETTER_KEY_BYTES and len(key) + len(value) < 10_000
+    assert key == b"K" * DEAD_LETTER_KEY_BYTES and len(key) + len(value) < DEAD_LETTER_KEY_BYTES + 1_000
     assert (letter["key_truncated"], letter["key_bytes"]) == (
         True,
         600_000,
     ) and "value_truncated" not in letter
     assert letter["key_sha256"] == hashlib.sha256(b"K" * 600_000).hexdigest()
     assert base64.b64decode(letter["value_base64"]) == values[-1][1]
+
+
+def test_at_the_widest_limits_every_record_the_service_writes_passes_kafka_s_default_1_mb():
+    # max_id_chars 4,096 of astral characters (12 bytes each in JSON) and messages of up to 1,000,000 bytes:
+    # an event replayed under such ids, a key of such an id on another account's event, and the key of a
+    # refused record as long as a record may be. A letter the producer refuses would stop the service.
+    widest = {"max_id_chars": 4_096, "max_message_bytes": 1_000_000}
+    now = time.time_ns() // 1000
+    long_id = "\U0001f600" * 4_096
+
+    def tx(event_id: str, account: str) -> bytes:
+        ts = format_ts(now - HOUR_US)
+        return json.dumps({"event_id": event_id, "account_id": account, "ts": ts, "amount": 1.0,
+                           "terminal_id": long_id}).encode()  # fmt: skip
+
+    values = [
+        (long_id.encode(), tx(long_id, long_id)),  # scored
+        (long_id.encode(), tx(long_id, long_id)),  # its replay: dead-lettered, naming the ids
+        (("\U0001f601" * 4_096).encode(), tx("E2", long_id)),  # the key of another account
+        (b"K" * 990_000, b"x" * 999_000),  # a refused record as big as one may be
+    ]
+    batches = hostile_batch_scorer(tiny_scorer(), **widest)
+    out = batches.score(polled(values))
+    sizes = {
+        t: max(len(k or b"") + len(v) for t2, k, v, _ in out.records if t2 == t) for t, *_ in out.records
+    }
+    assert out.dead_lettered == 3 and max(sizes.values()) < 1_000_000, sizes
 
 
 def test_write_schemas_writes_one_file_a_topic(tmp_path):

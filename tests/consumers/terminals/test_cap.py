@@ -196,3 +196,15 @@ def test_labels_for_terminals_no_event_has_named_protect_nothing_and_a_history_l
     assert eviction.unlogged_with_history == 0 and sorted(featurizer.terminals) == ["T-00", "T-busy"]
     eviction.max_terminals, eviction.keep = 1, 1
     assert eviction.cap(featurizer.terminals, now=0.0) == ["T-00"] and eviction.unlogged_with_history == 1
+
+
+def test_a_flood_of_new_terminals_grows_the_records_to_the_row_limit_and_no_further():
+    featurizer = StreamingFeaturizer()
+    eviction = TerminalEviction(90, max_terminals=1_000)
+    featurizer.terminals.row_limit = eviction.row_limit  # as every holder sets it on the table it folds into
+    for start in range(0, 5_000, 50):
+        featurizer.transform(events([f"flood-{i}" for i in range(start, start + 50)], [0] * 50))
+        eviction.cap(featurizer.terminals, now=0.0)
+        assert len(featurizer.terminals) <= 1_000
+    assert len(featurizer.terminals.records) == eviction.row_limit == 1_100  # doubling would have made 2,048
+    assert eviction.capped == 5_000 - len(featurizer.terminals)
