@@ -48,7 +48,7 @@ BROKER_MODULES_ELSEWHERE = {
     "tests/pipeline/bench/test_restore.py",
     "tests/test_demo.py",
     "tests/test_packaging.py",
-    "tests/test_readme_commands.py",
+    "tests/test_readme_commands_on_the_broker.py",
 }
 
 
