@@ -10,6 +10,7 @@ file is read.
 """
 
 import math
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,23 @@ def read_setting(item: str, example: str) -> tuple[str, Any]:
 
 class _SafeLoader(yaml.SafeLoader):
     """yaml.safe_load's loader, except that a value YAML reads but cannot build (the date 2026-13-01 raises
-    ValueError inside PyYAML) is a YAML error at the value's line, as a syntax error is."""
+    ValueError inside PyYAML) is a YAML error at the value's line, as a syntax error is; and so is a key
+    given twice in one mapping, which yaml.safe_load reads as its last value, silently."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} given twice (first at line {seen[key].line + 1})",
+                    key_node.start_mark,
+                )
+            if isinstance(key, Hashable):
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:

@@ -135,8 +135,8 @@ def display_table(table: pl.DataFrame) -> pl.DataFrame:
     """The table as printed: quality as "mean ± std" when folds exist, costs rounded."""
 
     def quality(column: str) -> pl.Expr:
-        value = pl.col(column).round(4).cast(pl.String)
-        std = pl.col(f"{column}_std")
+        value = pl.col(column).cast(pl.Float64).round(4).cast(pl.String)  # Float64: a column all null is Null
+        std = pl.col(f"{column}_std").cast(pl.Float64)
         return (
             pl.when(std.is_not_null())
             .then(pl.concat_str(value, pl.lit(" ± "), std.round(4).cast(pl.String)))
@@ -150,8 +150,8 @@ def display_table(table: pl.DataFrame) -> pl.DataFrame:
         *(quality(c) for c in QUALITY),
         pl.col("parallel_vs_recurrent_max_abs").alias("par_vs_rec"),
         pl.col("state_bytes_per_account").cast(pl.Int64, strict=False).alias("state_B"),
-        pl.col("step_us_per_event").round(2).alias("step_us"),
-        pl.col("train_seconds").round(1).alias("train_s"),
+        pl.col("step_us_per_event").cast(pl.Float64).round(2).alias("step_us"),  # null for per-event models
+        pl.col("train_seconds").cast(pl.Float64).round(1).alias("train_s"),
         "evaluated",
         pl.col("run_id").str.slice(0, 8),
     )
@@ -183,7 +183,10 @@ def write_plots(table: pl.DataFrame, client: MlflowClient, out: Path, data: Path
             precision, recall, _ = precision_recall_curve(
                 scores["is_fraud"].to_numpy(), scores["score"].to_numpy()
             )
-            pr[f"{name} AP {row['ap']:.3f}"] = (recall, precision)
+            ap = (
+                "n/a" if row["ap"] is None else f"{row['ap']:.3f}"
+            )  # no AP where the test week has no legit event
+            pr[f"{name} AP {ap}"] = (recall, precision)
             test = _test_period(row["test_period"], scores)
             known = labels
             if known is None:  # no label times: no account counts as known before a test day

@@ -9,6 +9,7 @@ import fcntl
 import functools
 import importlib.metadata
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,8 @@ def promote(alias: str, registered_name: str, run_id: str | None = None, version
     returns the version."""
     if (run_id is None) == (version is None):
         raise ValueError("promote: give exactly one of --run RUN_ID or --version N")
+    if alias_problem := _alias_problem(alias):
+        raise ValueError(f"--alias {alias!r}: {alias_problem}")
     configure_tracking()
     client = MlflowClient()
     # Every registered version of the model, by run; the name goes into a search filter, so no quote in it.
@@ -172,6 +175,15 @@ def promote(alias: str, registered_name: str, run_id: str | None = None, version
     print(promotion_table(client, registered_name, alias, int(version)))
     client.set_registered_model_alias(registered_name, alias, str(version))
     return int(version)
+
+
+def _alias_problem(alias: str) -> str | None:
+    # MLflow's rules for a registered model alias, checked before anything is read or printed.
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias):
+        return "an alias is 1 to 255 letters, digits, '_' or '-' (e.g. champion, challenger)"
+    if alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", alias):
+        return "'latest' and v<number> are reserved for model versions: choose another name"
+    return None
 
 
 def log_params(params: dict[str, Any]) -> None:

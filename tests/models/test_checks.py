@@ -37,6 +37,12 @@ def test_a_bool_is_neither_an_integer_nor_a_number(value, integer, number, finit
             "'2026-13-01' does not read as a timestamp (month must be",
         ),
         ("when: {day: 2026-02-30}\n", 1, "'2026-02-30' does not read as a timestamp (day is out of range"),
+        (
+            "model: lstm\nmodel: logreg\n",
+            2,
+            "key 'model' given twice (first at line 1)",
+        ),  # not: the last wins
+        ("a: {x: 1,\n    x: 2}\n", 2, "key 'x' given twice (first at line 1)"),
     ],
 )
 def test_a_yaml_value_that_cannot_be_built_is_refused_naming_the_file_and_the_line(

@@ -5,7 +5,7 @@ import polars as pl
 import pytest
 
 from pipeline.evaluation.backtest import BacktestConfig, backtest
-from pipeline.evaluation.compare import compare
+from pipeline.evaluation.compare import compare, display_table
 from pipeline.training.config import load_train_config
 from pipeline.training.train import train
 from tests.pipeline.workspaces import busy_dataset, use_fresh_store
@@ -102,3 +102,15 @@ def test_compare_sorts_costs_smallest_first_and_names_unknown_metrics(trained):
     with pytest.raises(ValueError, match="no MLflow experiment 'elsewhere'"):
         compare(experiment="elsewhere")
     assert isinstance(table, pl.DataFrame)
+
+
+def test_the_table_prints_when_no_run_has_a_step_cost_or_a_quality_figure():
+    # Per-event baselines log no step cost; a test week without legit events gives no AP: all-null columns,
+    # which polars types Null, where rounding raised.
+    row = {"model": "logreg", "family": "baseline", "auc": None, "ap": None, "cp_at_100": 0.1}
+    row |= {f"{c}_std": None for c in ("auc", "ap", "cp_at_100")}
+    row |= {"parallel_vs_recurrent_max_abs": None, "state_bytes_per_account": None, "step_us_per_event": None}
+    row |= {"train_seconds": 3.26, "evaluated": "test", "run_id": "0123456789abcdef"}
+    shown = display_table(pl.DataFrame([row, row]))
+    assert shown["step_us"].to_list() == [None, None] and shown["ap"].to_list() == [None, None]
+    assert shown["cp_at_100"].to_list() == ["0.1", "0.1"] and shown["train_s"].to_list() == [3.3, 3.3]

@@ -57,6 +57,14 @@ def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, m
     )
     assert "no registered model 'other' in sqlite:///" in refusal("--model-name", "other", "--version", "1")
     assert "holds no quote" in refusal("--model-name", "x' or name='held", "--version", "1")
+    for alias, complaint in (
+        ("bad/alias", "letters, digits, '_' or '-'"),
+        ("latest", "reserved"),
+        ("v3", "reserved"),
+    ):
+        assert main(["promote", "--alias", alias, "--model-name", "held", "--version", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"--alias {alias!r}: " in err and complaint in err and "Traceback" not in err
     with pytest.raises(mlflow.exceptions.MlflowException):  # no alias was set by any refusal
         client.get_model_version_by_alias("held", "champion")
 
