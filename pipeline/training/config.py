@@ -264,18 +264,23 @@ def load_train_config(
 ) -> TrainConfig:
     """Defaults < YAML file < explicit keyword arguments (CLI flags) < `key=value` overrides."""
     values: dict[str, Any] = {}
+    given_by: dict[str, str] = {}  # each top-level setting: where it was given last, for an error about it
     where = f" in {config_file}" if config_file else ""
     if config_file is not None:
         values.update(read_yaml_file(config_file, "train settings"))
+        given_by |= dict.fromkeys(values, str(config_file))
         _refuse_data(values, f"train setting data{where}")
     values.update({k: v for k, v in explicit.items() if v is not None})
     for item in overrides:
-        _set_dotted(values, *read_setting(item, "max_epochs=3"))
+        key, value = read_setting(item, "max_epochs=3")
+        _set_dotted(values, key, value)
+        given_by[key.split(".", 1)[0]] = f"--set {item}"
         _refuse_data(values, f"--set {item}")
     known = {f.name for f in dataclasses.fields(TrainConfig)} - {"data"}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"unknown train setting(s) {unknown}{where}; known: {sorted(known)}")
+        given = "; ".join(f"{key!r} from {given_by.get(key, 'the command line')}" for key in unknown)
+        raise ValueError(f"unknown train setting(s) {unknown} ({given}); known: {sorted(known)}")
     values["data"] = data
     return TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
 

@@ -47,11 +47,16 @@ def test_a_shipped_profile_holds_only_what_differs_and_each_value_reaches_the_co
         assert defaults != {value}, f"{profile.name}: model_config.{key} is every detector's default"
 
 
-def test_an_unknown_key_in_a_file_is_named_with_the_file(tmp_path):
+def test_an_unknown_key_is_named_with_where_it_was_given_the_file_or_the_flag(tmp_path):
     path = tmp_path / "profile.yaml"
     path.write_text("max_epochs: 3\nmax_epoch: 4\n")  # one letter short
-    with pytest.raises(ValueError, match=r"unknown train setting\(s\) \['max_epoch'\] in .*profile\.yaml"):
+    with pytest.raises(
+        ValueError, match=r"unknown train setting\(s\) \['max_epoch'\] \('max_epoch' from .*profile\.yaml\)"
+    ):
         load_train_config(tmp_path, path)
+    path.write_text("max_epochs: 3\n")
+    with pytest.raises(ValueError, match=r"\['max_epoch'\] \('max_epoch' from --set max_epoch=1\)"):
+        load_train_config(tmp_path, path, ["max_epoch=1"])  # the flag's typo, not the file's
 
 
 @pytest.mark.parametrize(
