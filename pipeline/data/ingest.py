@@ -239,6 +239,9 @@ def _parse(src: _Input, checks: list[_Check], label_delay_days: float) -> pl.Dat
         elif c == "is_fraud":
             parsed.append(src.mapping.parse_label(raw, dtype).alias(c))
         elif c == "amount":
+            if dtype == pl.Boolean:  # true / false: no amount (cast, they would read 1.0 and 0.0), as in JSON
+                parsed.append(pl.lit(None, dtype=pl.Float64).alias(c))
+                continue
             text = raw.str.strip_chars() if dtype == pl.String else raw
             parsed.append(text.cast(pl.Float64, strict=False).alias(c))
         else:

@@ -137,6 +137,18 @@ def test_ndjson_with_epoch_milliseconds(tmp_path):
     assert report.rows_read == report.rows_written == 2
 
 
+def test_a_boolean_amount_column_is_no_amount_in_parquet_as_in_json(tmp_path):
+    # Cast, true and false read 1.0 and 0.0: every row is refused, naming the value, as JSON's true is.
+    source = pl.DataFrame(
+        {"event_id": ["E1", "E2"], "account_id": ["A", "B"], "terminal_id": ["T", "T"],
+         "ts": [datetime(2026, 3, 1, 12, tzinfo=UTC)] * 2, "amount": [True, False], "is_fraud": [False, False]}
+    )  # fmt: skip
+    source.write_parquet(tmp_path / "tx.parquet")
+    with pytest.raises(IngestError) as caught:
+        ingest(IngestConfig(tmp_path / "tx.parquet", CONFIGS / "canonical.yaml", tmp_path / "out"))
+    assert 'row 1, column amount -> amount: value "true" is not a number' in str(caught.value)
+
+
 def test_parquet_with_native_types(tmp_path):
     source = pl.DataFrame(
         {
