@@ -69,12 +69,17 @@ class CsvOptions:
         with path.open(encoding="utf-8", errors="replace", newline="") as f:
             records = csv.reader(islice(f, self.skip_rows, None), delimiter=self.separator, **quoting)
             width = None
-            for record in records:
-                if width is not None and len(record) > width:
-                    line = records.line_num + self.skip_rows
-                    found = f"line {line} has {len(record)} fields and the first record has {width}"
-                    return f"{found}; expected at most {width} (is a field with a separator not quoted?)"
-                width = width or len(record)
+            try:
+                for record in records:
+                    if width is not None and len(record) > width:
+                        line = records.line_num + self.skip_rows
+                        found = f"line {line} has {len(record)} fields and the first record has {width}"
+                        return f"{found}; expected at most {width} (is a field with a separator not quoted?)"
+                    width = width or len(record)
+            except (
+                csv.Error
+            ) as error:  # a field past csv's size limit (131,072 characters), say: no line found
+                return f"a record has more fields than the first one (line {records.line_num + self.skip_rows}: {error})"
         return "a record has more fields than the first one"
 
 

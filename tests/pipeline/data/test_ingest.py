@@ -425,6 +425,13 @@ def test_example_mappings_load():
             "ragged.csv: line 3 has 6 fields and the first record has 5; expected at most 5",
         ),
         (
+            "ragged_long.csv",  # the field is past the csv module's limit: that is said, not raised
+            "event_id,account_id,terminal_id,ts,amount\na,x,t,2024-01-01,1\nb,x,t,2024-01-01,1,"
+            + "9" * 200_000
+            + "\n",
+            "ragged_long.csv: a record has more fields than the first one (line 3: field larger than field limit",
+        ),
+        (
             "lines.ndjson",
             '{"event_id": "a"}\n[1, 2]\n',
             "lines.ndjson: line 2 is '[1, 2]'; expected a JSON object",
