@@ -81,6 +81,11 @@ class TrainConfig:
                 _check_integer(name, getattr(self, name), minimum)
         if self.cp_k > MAX_K:
             raise ValueError(f"train config: cp_k = {self.cp_k}, expected at most {MAX_K} (accounts a day)")
+        for name, most, why in _INTEGER_MAXIMUMS:
+            if getattr(self, name) > most:
+                raise ValueError(
+                    f"train config: {name} = {getattr(self, name)}, expected at most {most:,} ({why})"
+                )
         if self.num_workers > CPUS:  # each worker is a process holding a copy of the batches
             raise ValueError(
                 f"train config: num_workers = {self.num_workers}, expected at most {CPUS} (this machine's CPUs)"
@@ -131,6 +136,12 @@ _INTEGER_MINIMUMS = {
     **dict.fromkeys(("delay_days", "warmup_steps", "early_stopping_patience", "pretrain_epochs"), 0),
     **dict.fromkeys(("num_workers", "seed"), 0),
 }
+# The most some integer settings take: beyond, they fail late, deep in numpy or torch, naming nothing.
+_INTEGER_MAXIMUMS = (
+    ("seed", 2**32 - 1, "numpy's and torch's seeds"),
+    ("chunk_events", 65_536, "a chunk is a [accounts, events, features] tensor"),
+    ("batch_accounts", 65_536, "a batch is a [accounts, events, features] tensor"),
+)
 # Each number setting's bound, and whether the bound itself is allowed (gradient_clip 0: no clipping).
 _NUMBER_BOUNDS = {
     "learning_rate": (0.0, False),

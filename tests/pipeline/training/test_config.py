@@ -217,6 +217,9 @@ def test_a_learning_rate_that_is_not_a_finite_positive_number_is_refused_with_it
         ("accelerator=tpu", "accelerator = 'tpu', expected one of ('cpu', 'gpu', 'cuda')"),
         ("precision=8-bit", "precision = '8-bit', expected one of ("),
         ("num_workers=100000", "num_workers = 100000, expected at most"),
+        ("seed=99999999999999999999", "seed = 99999999999999999999, expected at most 4,294,967,295"),
+        ("chunk_events=1000000000", "chunk_events = 1000000000, expected at most 65,536"),
+        ("batch_accounts=1000000000", "batch_accounts = 1000000000, expected at most 65,536"),
     ],
 )
 def test_a_setting_that_is_not_a_value_of_its_kind_is_refused_before_any_data_is_read(
