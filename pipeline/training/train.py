@@ -60,6 +60,11 @@ def _pos_weight(seqs: AccountSequences, window: Window, given: float | None) -> 
         raise ValueError(
             "no known fraud in the training window: nothing to learn; use a longer training period"
         )
+    if legit == 0:  # the weight would be 0, which --set pos_weight refuses: every fraud would count nothing
+        raise ValueError(
+            f"every one of the training window's {int(frauds)} labelled events is fraud: nothing to tell it "
+            "from; are the labels (is_fraud) inverted, or read from the wrong column?"
+        )
     # sqrt of the imbalance: strong enough that fraud is not ignored, mild enough to keep logits calibrated-ish.
     return math.sqrt(legit / frauds)
 

@@ -232,3 +232,17 @@ def test_a_dataset_without_labels_is_refused_as_such_by_every_model(model, tmp_p
         ValueError, match=r"unlabelled has no labels \(no is_fraud column\): .* known fraud\."
     ):
         train(cfg)
+
+
+def test_a_training_window_of_fraud_only_is_refused_as_such(tmp_path):
+    # Every labelled event fraud (labels inverted, say): the weight of a fraud was worked out as sqrt(0 / N) =
+    # 0, so the model learnt nothing, and it trained, registered and said nothing.
+    generated = tmp_path / "generated"
+    run_generate(GenerateConfig(accounts=30, days=40, seed=0), generated)
+    inverted = read_dataset(generated).with_columns(pl.lit(True).alias("is_fraud"))
+    write_dataset(inverted, tmp_path / "inverted", source={"test": "all fraud"})
+    cfg = load_train_config(tmp_path / "inverted", None, ["max_epochs=1"], model="lstm")
+    with pytest.raises(
+        ValueError, match=r"labelled events is fraud: nothing to tell it from; are the labels"
+    ):
+        train(cfg)
