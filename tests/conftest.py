@@ -68,10 +68,11 @@ _UNLISTED_BROKER_USERS: set[str] = set()
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    from tests.kafka_broker import KAFKA_FIXTURES  # imported by pytest_plugins first, assertions rewritten
+    # Imported by pytest_plugins first, its assertions rewritten; its own hook may mark the items after this.
+    from tests.kafka_broker import uses_the_broker_fixtures
 
     for item in items:
-        needs = item.get_closest_marker("kafka") or KAFKA_FIXTURES & set(item.fixturenames)
+        needs = item.get_closest_marker("kafka") is not None or uses_the_broker_fixtures(item)
         if needs and not uses_the_broker(module_path(item.nodeid)):
             _UNLISTED_BROKER_USERS.add(item.nodeid)
     items.sort(key=lambda item: not uses_the_broker(module_path(item.nodeid)))  # stable: modules stay whole

@@ -116,7 +116,11 @@ def topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
             )
 
 
+def uses_the_broker_fixtures(item: pytest.Item) -> bool:
+    return bool(KAFKA_FIXTURES.intersection(getattr(item, "fixturenames", ())))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if KAFKA_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        if uses_the_broker_fixtures(item):
             item.add_marker(pytest.mark.kafka)
