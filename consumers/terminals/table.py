@@ -72,12 +72,13 @@ def encode_terminal(record: bytes) -> bytes:
 
 
 def decode_terminal(terminal_id: str, data: bytes) -> bytes:
-    """The TERMINAL_STATE bytes of a table value; ValueError saying what to do when it is not one."""
-    what = f"terminal table record of {terminal_id!r}"
+    """The TERMINAL_STATE bytes of a table value. MessageError when it is not one (garbage: a reader leaves it
+    out), ValueError saying what to do when it is one of another version (a deployment to fix)."""
+    what = f"terminal table record of {terminal_id[:100]!r}"
     check_header(what, data, _MAGIC, "terminal_table_topic")
     record = data[_HEADER.size :]
     if len(record) != TERMINAL_STATE.itemsize:
-        raise ValueError(f"{what} is {len(record)} bytes of state, expected {TERMINAL_STATE.itemsize}")
+        raise MessageError(f"{what} is {len(record)} bytes of state, expected {TERMINAL_STATE.itemsize}")
     return record
 
 
@@ -115,17 +116,54 @@ def encode_positions(positions: Positions, labels_topic: str, deltas_topic: str)
 
 
 def decode_positions(data: bytes, labels_topic: str, deltas_topic: str) -> Positions:
-    value = json.loads(data)
+    """The positions record's Positions. MessageError when it is not one (garbage), ValueError saying what to
+    do when it reflects other topics than this service reads (a deployment to fix)."""
+    value = _positions_json(data)
     for kind, expected in (("labels", labels_topic), ("deltas", deltas_topic)):
-        if value.get(f"{kind}_topic") != expected:
+        if value[f"{kind}_topic"] != expected:
             raise ValueError(
-                f"the terminal table reflects {kind} topic {value.get(f'{kind}_topic')!r}, this service reads "
-                f"{expected!r}: point terminal_table_topic at a new topic for the new {kind} topic"
+                f"the terminal table reflects {kind} topic {value[f'{kind}_topic'][:300]!r}, this service "
+                f"reads {expected!r}: point terminal_table_topic at a new topic for the new {kind} topic"
             )
-    return Positions(
-        labels={int(p): int(o) for p, o in value["labels"].items()},
-        deltas={int(p): int(o) for p, o in value["deltas"].items()},
-    )
+    return Positions(labels=value["labels"], deltas=value["deltas"])
+
+
+def _positions_json(data: bytes) -> dict:
+    """The positions record's JSON, its offsets as {partition: offset} of ints >= 0; MessageError otherwise."""
+    try:
+        value = json.loads(data)
+        ok = isinstance(value, dict) and all(isinstance(value.get(f"{k}_topic"), str) for k in _KINDS)
+        if ok:
+            value.update({kind: _offsets(value.get(kind)) for kind in _KINDS})
+    except (ValueError, RecursionError, TypeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        ok = False
+    if not ok:
+        raise MessageError(
+            f"the terminal table's positions record is not one (expected {{labels_topic, labels: {{partition: "
+            f"offset}}, deltas_topic, deltas: {{...}}}}): {bytes(data[:80])!r}"
+        )
+    return value
+
+
+_KINDS = ("labels", "deltas")
+
+
+def _offsets(value: object) -> dict[int, int]:
+    """{partition: offset} from the record's {"partition": offset}; TypeError when it is not that."""
+    if not isinstance(value, dict):
+        raise TypeError
+    out = {}
+    for partition, offset in value.items():
+        if not (
+            partition.isascii()
+            and partition.isdecimal()
+            and len(partition) <= 9
+            and type(offset) is int
+            and offset >= 0
+        ):
+            raise TypeError
+        out[int(partition)] = offset
+    return out
 
 
 def flush_records(
@@ -135,6 +173,16 @@ def flush_records(
     out = [(t, encode_terminal(terminals.get_bytes(t))) for t in sorted(changed)]
     out.append((POSITIONS_KEY, encode_positions(positions, labels_topic, deltas_topic)))
     return out
+
+
+def _report_garbage(topic: str, garbage: list[tuple[str, MessageError]]) -> None:
+    """Name the first of the terminal records that are not records at all (left out of the table), at ERROR."""
+    if garbage:
+        log.error(
+            "terminal table records refused, their counts start again from the deltas and labels: topic=%s "
+            "terminals=%d first: %s (the next flush of each such terminal writes a sound one)",
+            topic, len(garbage), garbage[0][1],
+        )  # fmt: skip
 
 
 def _let_corrupt_records_go(topic: str, table: StateTable) -> None:
@@ -171,16 +219,28 @@ def read_table(
         reader, topic, list(range(TABLE_PARTITIONS)), timeout_s, last_key=POSITIONS_KEY
     )
     positions_value = latest.pop(POSITIONS_KEY, None)
-    positions = (
-        Positions()
-        if positions_value is None
-        else decode_positions(positions_value, labels_topic, deltas_topic)
-    )
+    try:
+        positions = (
+            Positions()
+            if positions_value is None
+            else decode_positions(positions_value, labels_topic, deltas_topic)
+        )
+    except MessageError as error:
+        # Without its positions the records cannot be joined to the deltas and labels after them: read as
+        # no table, every terminal's counts are rebuilt from the deltas and labels the topics still hold.
+        log.error("terminal table read as empty: topic=%s %s", topic, error)
+        positions, latest = Positions(), {}
     # Records for what was read and no more: doubling up to it could leave nearly as many again unused.
     table = StateTable(TERMINAL_STATE, capacity=max(1024, len(latest)))
+    garbage: list[tuple[str, MessageError]] = []
     for key, value in latest.items():
-        if value is not None:  # None: a tombstone (a terminal deleted by hand)
+        if value is None:  # a tombstone (a terminal deleted by hand)
+            continue
+        try:
             table.put_bytes(key, decode_terminal(key, value))
+        except MessageError as error:
+            garbage.append((key, error))
+    _report_garbage(topic, garbage)
     _let_corrupt_records_go(topic, table)
     log.info(
         "terminal table read topic=%s records=%d terminals=%d positions=%s seconds=%.3f",

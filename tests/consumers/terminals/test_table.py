@@ -71,6 +71,50 @@ def test_a_table_record_no_events_give_is_left_out_naming_the_terminal(
     assert table.get_bytes("t2") == source.terminals.get_bytes("t2")
 
 
+def test_a_table_record_that_is_not_one_is_left_out_and_stops_nothing(monkeypatch, caplog):
+    # Anyone who can write the topic can put one there: one bad record must not stop every scorer's start.
+    source = featurizer_with_two_terminals()
+    good = terminal_table.encode_terminal(source.terminals.get_bytes("t1"))
+    positions = terminal_table.encode_positions(Positions(labels={0: 4}), "labels", "deltas")
+    for bad in (b"nope", b"", good[:-1], good + b"x"):
+        latest = {"t1": good, "t2": bad, POSITIONS_KEY: positions}
+        monkeypatch.setattr(terminal_table, "read_latest", lambda *args, latest=latest, **kwargs: (latest, 3))
+        table, read_positions = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
+        assert "t2" not in table and table.get_bytes("t1") == source.terminals.get_bytes("t1")
+        assert read_positions == Positions(labels={0: 4})
+        assert re.search(r"terminals=1 first: terminal table record of 't2'", caplog.text)
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        b"{not json",
+        b"\xff\xfe",
+        b"[" * 5000,
+        b"null",
+        b'{"labels_topic": "labels", "deltas_topic": "deltas"}',
+        b'{"labels_topic": "labels", "labels": {"0": -1}, "deltas_topic": "deltas", "deltas": {}}',
+        b'{"labels_topic": "labels", "labels": {"x": 1}, "deltas_topic": "deltas", "deltas": {}}',
+        b'{"labels_topic": "labels", "labels": {"0": 1.5}, "deltas_topic": "deltas", "deltas": {}}',
+        b'{"labels_topic": 7, "labels": {}, "deltas_topic": "deltas", "deltas": {}}',
+    ],
+)
+def test_a_positions_record_that_is_not_one_reads_as_no_table(monkeypatch, caplog, positions):
+    # Without positions the records cannot be joined to the deltas after them: the counts are rebuilt from
+    # the deltas and labels from their start, rather than the start stopped or the deltas counted twice.
+    source = featurizer_with_two_terminals()
+    latest = {
+        "t1": terminal_table.encode_terminal(source.terminals.get_bytes("t1")),
+        POSITIONS_KEY: positions,
+    }
+    monkeypatch.setattr(terminal_table, "read_latest", lambda *args, **kwargs: (dict(latest), 2))
+    table, read_positions = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
+    assert len(table) == 0 and read_positions == Positions()
+    assert "terminal table read as empty: topic=table the terminal table's positions record is not one" in (
+        caplog.text
+    )
+
+
 def test_an_empty_table_is_read_as_empty(monkeypatch):
     # A new deployment's table: nothing to check, nothing refused (a check of zero records must not fail).
     monkeypatch.setattr(terminal_table, "read_latest", lambda *args, **kwargs: ({}, 0))
