@@ -98,6 +98,9 @@ class ServeConfig:
     max_poll_interval_ms: int = 300_000
     # How long the group waits for a silent (crashed) member before moving its partitions elsewhere.
     session_timeout_ms: int = 45_000
+    # How often the consumer asks for the topics' metadata: how soon partitions added to `transactions` are
+    # seen (their records are then dead-lettered: growing the partitions is a new deployment).
+    metadata_max_age_ms: int = 300_000
     transactional_id_prefix: str = "txsentinel-scorer"
     # A stable name for this instance (e.g. its pod name: --set instance_id=$HOSTNAME). Its transactional id
     # is then {transactional_id_prefix}-{instance_id}, and a restarted instance aborts the open transaction its

@@ -52,8 +52,10 @@ def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
         if found != partitions:
             raise ValueError(
                 f"changelog topic {changelog!r} has {found} partitions, {transactions!r} has {partitions}: they "
-                "must match (state of input partition p lives in changelog partition p). Add partitions to the "
-                "changelog with kafka-topics.sh --alter, or point changelog_topic at a new topic and replay"
+                "must match (state of input partition p lives in changelog partition p). A grown `transactions` "
+                "sends keys to other partitions than their states were kept by: serve it as a new deployment "
+                "(a new topic_prefix, or changelog_topic, and a replay; docs/operations.md, Instances and "
+                "partitions)"
             )
         labels = cfg.topic("labels")
         if labels not in existing:

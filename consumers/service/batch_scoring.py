@@ -88,6 +88,7 @@ class BatchScorer:
         if partitions is not None and partitions < 1:
             raise ValueError(f"{cfg.topic('transactions')!r} has {partitions} partitions: nothing to read")
         self.home = key_partition(cfg.producer_partitioner, partitions or 0)
+        self.partitions = partitions  # of `transactions` at the start; records beyond them are refused
         self.partitioner = f"producer_partitioner {cfg.producer_partitioner}, {partitions} partitions"
         # Scores and alerts go to their input event's partition number when the topics have as many
         # partitions as `transactions` (those the service creates do): the key's partition under the default
@@ -134,6 +135,9 @@ class BatchScorer:
             for record in batch[tp]:
                 out.offsets[tp] = OffsetAndMetadata(record.offset + 1, "", -1)
                 out.events += 1
+                if self.partitions is not None and record.partition >= self.partitions:
+                    self._dead_letter(out, record, self._beyond_its_partitions(record.partition))
+                    continue
                 try:
                     if record.value is None:
                         raise MessageError("null value (a tombstone): expected a JSON transaction")
@@ -161,6 +165,13 @@ class BatchScorer:
                     continue
                 events.append(_Event(record, tx))
         return events
+
+    def _beyond_its_partitions(self, partition: int) -> MessageError:
+        return MessageError(
+            f"record on partition {partition}, beyond the {self.partitions} partitions of "
+            f"{self.transactions_topic!r} this service started with: no state of its accounts is kept for it. "
+            "The topic has grown; growing it is a new deployment (a new topic_prefix), then replay"
+        )
 
     def _off_its_partition(self, partition: int, key: bytes, home: int) -> MessageError:
         return MessageError(

@@ -114,6 +114,9 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.observed: list = []  # what the batch being scored fed the drift window (stats.py counts it)
         self.scorer.on_scored = lambda *scored: self.observed.append(scored)
         self.health_at = -math.inf  # time.monotonic() of the last drift and state-health refresh
+        self.metadata_at = (
+            time.monotonic()
+        )  # of the consumer's last metadata read asked for (_watch_metadata)
         self.initial_state = self.scorer.detector.init_state(1)  # what state health compares held states to
         self.health_rng = np.random.default_rng(0)  # which held states it samples
         self.fatal: BaseException | None = None  # raised in a rebalance callback, re-raised by run()
@@ -189,6 +192,7 @@ class _Service(Restore, Transactions, Bookkeeping):
             max_poll_records=cfg.max_poll_records,
             max_poll_interval_ms=cfg.max_poll_interval_ms,
             session_timeout_ms=cfg.session_timeout_ms,
+            metadata_max_age_ms=cfg.metadata_max_age_ms,
             # KIP-429: a rebalance moves only what must move; kept partitions keep their states in memory
             partition_assignment_strategy=(CooperativeStickyAssignor,),
             client_id="txsentinel-serve",
@@ -217,6 +221,7 @@ class _Service(Restore, Transactions, Bookkeeping):
     def _cycle(self) -> None:
         # While a commit runs, poll briefly: an idle stream still settles it (and its metrics) promptly.
         self._catch_up()  # partitions assigned or rewound since the last poll (restore.py)
+        self._watch_metadata()
         timeout_ms = min(self.cfg.poll_timeout_ms, 10) if self.pipeline.busy() else self.cfg.poll_timeout_ms
         rebalances = self.rebalance_callbacks
         batch = self.consumer.poll(timeout_ms=timeout_ms, max_records=self.limit.records)
@@ -238,6 +243,16 @@ class _Service(Restore, Transactions, Bookkeeping):
                 self._publish(scored)
         except Exception as error:
             self._recover(error, batch)
+
+    def _watch_metadata(self) -> None:
+        """Every metadata_max_age_ms, read the cluster's metadata through the consumer: the group then sees a
+        partition added to `transactions` (restore.py, _hold_beyond) within that time. kafka-python's own
+        refresh timer was seen to miss one for minutes, and a bare request for an update to stay unserved;
+        this read is served. It waits while the broker does not answer, as the polls would bring nothing."""
+        now = time.monotonic()
+        if now - self.metadata_at >= self.cfg.metadata_max_age_ms / 1000:
+            self.metadata_at = now
+            self.consumer.topics()
 
     def _score(self, batch: dict) -> ScoredBatch:
         """The batch scored, one event at a time where it holds records of a batch that failed in scoring;

@@ -113,6 +113,11 @@ class Restore:
         log.info("partitions assigned partitions=%s", partitions)
         if partitions:
             self.stats.rebalances += 1
+        beyond = [p for p in partitions if 0 < self.partitions <= p]  # 0: the count is not known yet
+        if beyond:  # no changelog partition holds their states: nothing to restore, every record refused
+            self._hold_beyond(beyond)
+            tps = [tp for tp in tps if tp.partition not in beyond]
+            partitions = [p for p in partitions if p not in beyond]
         self.consumer.pause(*tps)
         self.to_restore |= set(partitions)
         if self.to_restore:
@@ -122,6 +127,19 @@ class Restore:
         else:
             self.probes.done("partitions")  # no partition at all is ready too: a spare member, idle
         self._run_writer(partitions, assigned=True)
+
+    def _hold_beyond(self, partitions: list[int]) -> None:
+        """Partitions added to `transactions` after this instance started: read, and every record of them
+        dead-lettered (BatchScorer._decode), so that the partitions it serves go on and nothing is lost."""
+        log.error(
+            "transactions partitions %s are beyond the %d this instance started with: %r has grown, so its "
+            "keys now go to other partitions than the account states were kept by. Their records go to the "
+            "dead-letter topic. Growing the partitions is a new deployment: a new topic_prefix with the new "
+            "count, then replay (docs/operations.md, Instances and partitions)",
+            partitions, self.partitions, self.topic,
+        )  # fmt: skip
+        self.assigned |= set(partitions)
+        self.metrics.set("txsentinel_assigned_partitions", len(self.assigned))
 
     def _catch_up(self) -> None:
         """Before the next poll: restore what was assigned, seek back what was rewound (module docstring)."""

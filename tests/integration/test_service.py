@@ -20,7 +20,8 @@ import urllib.request
 
 import polars as pl
 import pytest
-from kafka import KafkaProducer
+from kafka import KafkaAdminClient, KafkaProducer
+from kafka.admin import NewPartitions
 from kafka.partitioner.default import murmur2
 
 from consumers.runtime.metrics import free_port
@@ -39,7 +40,14 @@ from tests.integration.service_helpers import (
     save_tiny_model,
     wait_for_scores,
 )
-from tests.integration.service_runs import serve_until, service_configs, start_child, uninterrupted_scores
+from tests.integration.service_runs import (
+    committed_count,
+    serve_until,
+    service_configs,
+    start_child,
+    uninterrupted_scores,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -199,6 +207,46 @@ def test_dormant_accounts_leave_memory_and_come_back_exactly_across_a_restart(
     for stats in (first_stats, second_stats):
         assert stats.states_evicted > 0 and stats.states_reloaded > 0
     assert second_stats.restored_states == 5  # the rest of the 20 stayed dormant until they returned
+
+
+def test_partitions_added_while_serving_go_to_dead_letter_and_the_others_are_served_on(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    """No changelog partition holds the states of a partition added to `transactions` while the service
+    runs: its records are dead-lettered, each with the reason, and the partitions the service started with
+    are served on, exactly once."""
+    cfg = service_cfg(metadata_max_age_ms=500)
+    events = transactions_from_frame(frame)
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
+    split = len(events) // 2
+    sent = [(t.account_id, encode_transaction(t)) for t in events]  # by key, whatever the partition count
+    produce(kafka_bootstrap, cfg.topic("transactions"), sent[:split])
+    running = Running(cfg, model_dir, kafka_bootstrap)
+    wait_for_scores(kafka_bootstrap, cfg.topic("scores"), split, running)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        admin.create_partitions({cfg.topic("transactions"): NewPartitions(total_count=2)})
+    finally:
+        admin.close()
+    produce(kafka_bootstrap, cfg.topic("transactions"), sent[split:])
+    on_new = {t.event_id for t in events[split:] if (murmur2(t.account_id.encode()) & 0x7FFFFFFF) % 2 == 1}
+    assert 0 < len(on_new) < len(events) - split
+
+    wait_until(
+        lambda: committed_count(kafka_bootstrap, cfg.topic("dead_letter")) >= len(on_new),
+        "the records of the added partition in dead-letter",
+        60,
+        running,
+    )
+    scores = wait_for_scores(kafka_bootstrap, cfg.topic("scores"), len(events) - len(on_new), running)
+    dead = [json.loads(r.value) for r in read_committed(kafka_bootstrap, cfg.topic("dead_letter"))]
+    stats = running.stop()
+
+    assert_exactly_once(scores, [t for t in events if t.event_id not in on_new])
+    dead_ids = {json.loads(base64.b64decode(d["value_base64"]))["event_id"] for d in dead}
+    assert dead_ids == on_new and len(dead) == len(on_new) == stats.dead_lettered
+    assert {d["source_partition"] for d in dead} == {1}
+    assert all("beyond the 1 partitions" in d["reason"] for d in dead)
 
 
 def test_a_stable_instance_id_aborts_the_transaction_a_crashed_predecessor_left_open(

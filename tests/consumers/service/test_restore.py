@@ -110,6 +110,20 @@ def test_new_partitions_wait_paused_and_are_sought_to_offsets_fetched_before_the
     assert len(calls) == 3  # nothing more to do
 
 
+def test_a_partition_added_after_the_start_is_read_unpaused_with_nothing_to_restore(caplog):
+    # No changelog partition holds its accounts' states: its records are dead-lettered as they come
+    # (tests/integration/test_service.py has the whole of it against the broker).
+    service, consumer = make_service([])
+    service.partitions = 1
+    restored = []
+    service._restore = restored.append
+    service.on_assigned([P0, P1])
+    assert consumer.paused == {P0} and service.to_restore == {0} and service.assigned == {1}
+    assert "transactions partitions [1] are beyond the 1 this instance started with" in caplog.text
+    service._catch_up()
+    assert restored == [[0]] and service.assigned == {0, 1}
+
+
 def test_a_rewind_lets_go_of_the_batchs_accounts_only_and_seeks_back_before_the_next_poll(frame, monkeypatch):
     service, consumer = make_service([])
     txs = transactions_from_frame(frame.head(400))
