@@ -19,6 +19,7 @@ from pipeline.data.dataset import QUARANTINE_FILE, write_dataset
 from pipeline.data.ids import MAX_ID_CHARS, id_problem
 from pipeline.data.mapping import Mapping, MappingError, SourceError, load_mapping
 from pipeline.data.schema import EARLIEST_TS, LATEST_TS, TRANSACTION_SCHEMA, TS_RANGE
+from pipeline.data.source_text import cut, cut_column, listed, not_utf8, unreadable
 
 ON_INVALID = ("fail", "quarantine")
 EXAMPLES_PER_PROBLEM = 3
@@ -176,12 +177,12 @@ class _Input:
             return read()
         except (FileNotFoundError, SourceError) as exc:
             raise IngestError(f"{self.path}: {exc}", IngestReport(self.name, self.format)) from exc
-        # Ragged lines, bad encoding, broken JSON; errors in the plan built from the file are bugs, not caught.
+        # Ragged lines, bad encoding, broken quotes or JSON; errors in the plan built from the file are bugs.
         except (pl.exceptions.ComputeError, pl.exceptions.NoDataError, OSError, UnicodeError) as exc:
-            message = f"{self.path}: cannot be read as {self.format}: {exc}"
-            if self.format == "csv" and "more fields" in str(exc):
-                message = f"{self.path}: {self.mapping.csv.ragged_line(self.path)}"
-            raise IngestError(message, IngestReport(self.name, self.format)) from exc
+            said = f"cannot be read as {self.format}: {exc}"
+            if not isinstance(exc, OSError):  # OSError: the file, not its text (a directory, no permission)
+                said = unreadable(self.path, self.mapping, self.format, str(exc))
+            raise IngestError(f"{self.path}: {said}", IngestReport(self.name, self.format)) from exc
 
     def line(self, row0: pl.Expr) -> pl.Expr:
         # One line per record: a quoted field spanning lines shifts later records, by an amount polars hides.
@@ -207,8 +208,10 @@ def _present_columns(src: _Input, schema: dict[str, pl.DataType]) -> dict[str, s
         report = IngestReport(
             src.name, src.format, problems=(Problem("missing column", columns, len(missing), examples),)
         )
-        shown = list(schema)[:30] + (["..."] if len(schema) > 30 else [])
-        raise IngestError("\n".join(examples) + f"\nthe file's columns are {shown}", report)
+        found = [f"the file's columns are {listed(list(schema))}"]
+        if any("\ufffd" in name for name in schema):  # polars reads a header that is not UTF-8 as best it can
+            found += filter(None, [not_utf8(src.path, mapping, src.format)])
+        raise IngestError("\n".join([*examples, *found]), report)
     present = dict(mapping.columns) | {c: s for c, s in mapping.optional_columns.items() if s in schema}
     report = IngestReport(src.name, src.format)
     if "label_ts" in present and "is_fraud" not in present:
@@ -217,7 +220,8 @@ def _present_columns(src: _Input, schema: dict[str, pl.DataType]) -> dict[str, s
         )
     for c, s in present.items():
         if schema[s].is_nested():
-            raise IngestError(f'{src.path}: column "{s}" -> {c} holds nested values ({schema[s]})', report)
+            nested = cut(str(schema[s]))
+            raise IngestError(f'{src.path}: column "{s}" -> {c} holds nested values ({nested})', report)
     return present
 
 
@@ -319,7 +323,7 @@ def _checks(src: _Input) -> list[_Check]:
     if "label_ts" in src.present:
         problem = pl.format(
             'is before ts "{}" (column {}); expected label_ts >= ts',
-            pl.col(_raw("ts")),
+            cut_column(pl.col(_raw("ts")).cast(pl.String)),
             pl.lit(src.present["ts"]),
         )
         add("label_ts", "before_ts", "label_ts before ts", pl.col("label_ts") < pl.col("ts"), problem)
@@ -368,9 +372,7 @@ def _explain(src: _Input, checks: list[_Check], bad: pl.DataFrame) -> pl.DataFra
     explained = explained.with_columns(pl.col(s).alias(_raw(c)) for c, s in src.present.items())
     messages = []
     for c in checks:
-        text = pl.col(_raw(c.canonical)).fill_null("")
-        # Long garbage would bury the message; 80 characters identify the value well enough.
-        shown = pl.when(text.str.len_chars() > 80).then(text.str.slice(0, 77) + "...").otherwise(text)
+        shown = cut_column(pl.col(_raw(c.canonical)).fill_null(""))
         message = pl.format(
             'column {} -> {}: value "{}" {}', pl.lit(c.source), pl.lit(c.canonical), shown, c.problem
         )
