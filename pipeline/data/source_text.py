@@ -111,6 +111,25 @@ def first_non_utf8(path: Path) -> BadByte | None:
     return BadByte(offset - len(carry), line, column, carry[0]) if carry else None
 
 
+def data_lines(path: Path, options: CsvOptions, rows: list[int], rows_read: int) -> list[int | None]:
+    """[N] the line each of `rows` (0-based data rows, ascending) starts on, None for a row not found;
+    `rows_read`: how many data rows polars read from the file."""
+    first = options.skip_rows + int(options.has_header) + 1  # the line of data row 0, a line per record
+    if not rows or _line_count(path) == first - 1 + rows_read:  # no field holds a line break
+        return [row + first for row in rows]
+    starts = {}
+    wanted = set(rows)
+    try:
+        for row, (line, _, _) in enumerate(islice(_Records(path, options, strict=False), first - 1, None)):
+            if row in wanted:
+                starts[row] = line
+                if len(starts) == len(wanted):
+                    break
+    except csv.Error:  # text polars took and csv does not, such as a lone "\r": later rows go unnamed
+        pass
+    return [starts.get(row) for row in rows]
+
+
 def csv_problem(path: Path, options: CsvOptions) -> str | None:
     """The first record that keeps polars from reading `path` as `options` describe, and why, naming its
     line; None: none found. Polars refuses a quote that never closes, a quote inside a field that does not
@@ -212,6 +231,14 @@ def _stray_quote_at(text: str, i: int, first: int, sep: str, quote: str) -> str:
         f"quote the whole field and write the {quote} inside it as two, or set csv.quote_char: null if the "
         "file quotes no field"
     )
+
+
+def _line_count(path: Path) -> int:
+    lines, last = 0, b"\n"
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+    return lines + (last != b"\n")
 
 
 def _open_text(path: Path) -> TextIO:

@@ -2,10 +2,11 @@
 
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from pipeline.data import source_text
-from pipeline.data.dataset import read_dataset
+from pipeline.data.dataset import QUARANTINE_FILE, read_dataset
 from pipeline.data.ingest import IngestConfig, IngestError, ingest
 from pipeline.data.mapping import load_mapping
 from pipeline.data.source_text import first_non_utf8, unreadable
@@ -125,6 +126,32 @@ def test_a_header_that_is_not_utf8_is_named_when_a_mapped_column_is_not_found(tm
     message = ingest_error(csv)
     assert f'{csv} has no column "amount"' in message
     assert message.splitlines()[2].startswith("line 1, column 38 (byte 37 of the file) holds 0xE9")
+
+
+def test_rows_after_a_field_with_line_breaks_are_named_by_the_line_they_start_on(tmp_path):
+    csv = write_bytes(
+        tmp_path / "t.csv",
+        (
+            '"junk\nbefore the header"\n'  # a skipped row of two lines
+            + HEADER.replace("category", "note")  # a column the mapping does not read
+            + 'e1,x,t,2024-01-01,1,"a note\non three\nlines"\n'
+            + "e2,x,t,2024-01-01,-1,food\n"
+            + 'e3,x,t,2024-01-01,1,"two\nlines"\n'
+            + "e1,x,t,2024-01-01,1,food\n"
+        ).encode(),
+    )
+    mapping = tmp_path / "skip.yaml"
+    mapping.write_text((CONFIGS / "canonical.yaml").read_text() + "csv: {skip_rows: 1}\n")
+    message = ingest_error(csv, mapping)
+    assert f'{csv} row 2 (line 7), column amount -> amount: value "-1" is negative' in message
+    assert (
+        f'{csv} row 4 (line 10), column event_id -> event_id: value "e1" has the event_id of row 1 (line 4)'
+        in message
+    )
+
+    ingest(IngestConfig(csv, mapping, tmp_path / "out", on_invalid="quarantine"))
+    quarantine = pl.read_parquet(tmp_path / "out" / QUARANTINE_FILE)
+    assert quarantine.select("row", "line").rows() == [(2, 7), (4, 10)]
 
 
 def test_a_hostile_file_gets_a_one_screen_error(tmp_path):
