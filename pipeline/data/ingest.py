@@ -18,7 +18,7 @@ import polars as pl
 from pipeline.data.dataset import QUARANTINE_FILE, write_dataset
 from pipeline.data.ids import MAX_ID_CHARS, id_problem
 from pipeline.data.mapping import Mapping, MappingError, SourceError, load_mapping
-from pipeline.data.schema import EARLIEST_TS, LATEST_TS, TRANSACTION_SCHEMA, TS_RANGE
+from pipeline.data.schema import EARLIEST_TS, LATEST_TS, OPTIONAL_COLUMNS, TRANSACTION_SCHEMA, TS_RANGE
 from pipeline.data.source_text import cut, cut_column, data_lines, listed, not_utf8, unreadable
 
 ON_INVALID = ("fail", "quarantine")
@@ -296,9 +296,12 @@ def _checks(src: _Input) -> list[_Check]:
 
     for c in ID_COLUMNS:
         add(c, "empty", "empty id", empty(c), pl.lit("is empty; expected a non-empty id"))
+    # The service reads category, channel and country by the id rule, an empty one aside (ids.py).
+    for c in (*ID_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in src.present)):
+        title = "id the service refuses" if c in ID_COLUMNS else "text the service refuses"
         unfit = pl.col(c).map_batches(_unfit_ids, return_dtype=pl.Boolean)
         problem = pl.col(_raw(c)).cast(pl.String).map_batches(_id_problems, return_dtype=pl.String)
-        add(c, "unfit", "id the service refuses", unfit, problem)
+        add(c, "unfit", title, unfit, problem)
     for c in ("ts", "label_ts"):
         if c in src.present:
             expected = src.mapping.timestamp(c).expected()
@@ -336,19 +339,18 @@ def _checks(src: _Input) -> list[_Check]:
     return checks
 
 
-# Ids of printable ASCII within the length limit are fine: polars settles those, Python the rest (ids.py).
-_PLAIN_ID = f"^[ -~]{{0,{MAX_ID_CHARS}}}$"
-
-
 def _unfit_ids(ids: pl.Series) -> pl.Series:
     """[N] whether each id breaks pipeline/data/ids.py's rule, which the service's decoder applies."""
-    others = ids.filter(~ids.str.contains(_PLAIN_ID)).unique().drop_nulls()
+    # Ids of printable ASCII within the length limit are fine: polars settles those, Python the rest. One
+    # character class and a byte count cost less than an anchored, counted pattern, and mean the same.
+    plain = ~ids.str.contains("[^ -~]") & (ids.str.len_bytes() <= MAX_ID_CHARS)
+    others = ids.filter(~plain).unique().drop_nulls()
     return ids.is_in([value for value in others.to_list() if id_problem(value)])
 
 
 def _id_problems(ids: pl.Series) -> pl.Series:
     """[N] what is wrong with each id, with what was expected (null: nothing)."""
-    expected = f"expected printable, visible characters, at most {MAX_ID_CHARS}, as the service reads ids"
+    expected = f"expected printable, visible characters, at most {MAX_ID_CHARS}, as the service reads them"
     problems = [None if v is None or not (p := id_problem(v)) else f"{p}; {expected}" for v in ids.to_list()]
     return pl.Series(problems, dtype=pl.String)
 

@@ -154,6 +154,25 @@ def test_rows_after_a_field_with_line_breaks_are_named_by_the_line_they_start_on
     assert quarantine.select("row", "line").rows() == [(2, 7), (4, 10)]
 
 
+def test_a_line_break_in_an_id_or_category_is_refused_naming_the_line_and_column(tmp_path):
+    csv = write_bytes(
+        tmp_path / "t.csv",
+        (
+            HEADER + '"e\n1",x,t,2024-01-01,1,food\ne2,x,t,2024-01-01,1,"fo\r\nod"\n' + ROW.format("e3")
+        ).encode(),
+    )
+    report = ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out", on_invalid="quarantine"))
+    assert read_dataset(tmp_path / "out")["event_id"].to_list() == ["e3"]
+    assert report.rows_quarantined == 2
+    examples = [example for problem in report.problems for example in problem.examples]
+    assert examples == [
+        f'{csv} row 1 (line 2), column event_id -> event_id: value "e\\n1" holds U+000A, not printable; '
+        "expected printable, visible characters, at most 256, as the service reads them",
+        f'{csv} row 2 (line 4), column category -> category: value "fo\\r\\nod" holds U+000D, not printable; '
+        "expected printable, visible characters, at most 256, as the service reads them",
+    ]
+
+
 def test_a_hostile_file_gets_a_one_screen_error(tmp_path):
     # 100,000 columns, none the mapping's amount, one of them named with 100,000 characters
     names = ["event_id", "account_id", "terminal_id", "ts", "x" * 100_000, *(f"c{i}" for i in range(99_995))]
