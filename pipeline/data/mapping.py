@@ -16,10 +16,8 @@ A mapping file looks like this (every key but `columns` is optional):
 Source columns the mapping does not name are ignored.
 """
 
-import csv
 import json
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -59,28 +57,9 @@ class CsvOptions:
     separator: str = ","
     quote_char: str | None = '"'
     has_header: bool = True
-    skip_rows: int = 0  # lines before the header (or before the data when there is no header)
+    skip_rows: int = 0  # rows before the header (or before the data when there is no header)
     null_values: tuple[str, ...] = ()  # besides the empty field, which is always null
     encoding: str = "utf8"  # utf8 | utf8-lossy
-
-    def ragged_line(self, path: Path) -> str:
-        """Which line has more fields than the first: polars does not say, and a person needs to know."""
-        quoting = {"quotechar": self.quote_char} if self.quote_char else {"quoting": csv.QUOTE_NONE}
-        with path.open(encoding="utf-8", errors="replace", newline="") as f:
-            records = csv.reader(islice(f, self.skip_rows, None), delimiter=self.separator, **quoting)
-            width = None
-            try:
-                for record in records:
-                    if width is not None and len(record) > width:
-                        line = records.line_num + self.skip_rows
-                        found = f"line {line} has {len(record)} fields and the first record has {width}"
-                        return f"{found}; expected at most {width} (is a field with a separator not quoted?)"
-                    width = width or len(record)
-            except (
-                csv.Error
-            ) as error:  # a field past csv's size limit (131,072 characters), say: no line found
-                return f"a record has more fields than the first one (line {records.line_num + self.skip_rows}: {error})"
-        return "a record has more fields than the first one"
 
 
 @dataclass(frozen=True)
