@@ -79,8 +79,6 @@ class TrainConfig:
         for name, minimum in _INTEGER_MINIMUMS.items():
             if not (name in _OPTIONAL and getattr(self, name) is None):
                 _check_integer(name, getattr(self, name), minimum)
-        if self.cp_k > MAX_K:
-            raise ValueError(f"train config: cp_k = {self.cp_k}, expected at most {MAX_K} (accounts a day)")
         for name, most, why in _INTEGER_MAXIMUMS:
             if getattr(self, name) > most:
                 raise ValueError(
@@ -141,6 +139,7 @@ _INTEGER_MAXIMUMS = (
     ("seed", 2**32 - 1, "numpy's and torch's seeds"),
     ("chunk_events", 65_536, "a chunk is a [accounts, events, features] tensor"),
     ("batch_accounts", 65_536, "a batch is a [accounts, events, features] tensor"),
+    ("cp_k", MAX_K, "accounts a day"),
 )
 # Each number setting's bound, and whether the bound itself is allowed (gradient_clip 0: no clipping).
 _NUMBER_BOUNDS = {

@@ -194,7 +194,9 @@ def test_an_absurd_k_or_fold_count_is_refused_by_name_not_overflowed(flag, works
 
 
 def test_the_k_of_card_precision_is_bounded_wherever_it_is_set(tmp_path):
-    with pytest.raises(ValueError, match=r"train config: cp_k = 1000001, expected at most 1000000"):
+    with pytest.raises(
+        ValueError, match=r"train config: cp_k = 1000001, expected at most 1,000,000 \(accounts a day\)"
+    ):
         load_train_config(tmp_path, None, ["cp_k=1000001"])
     with pytest.raises(
         ValueError, match=r"live compare: k = 100000000000000000000, expected an integer from 1"
