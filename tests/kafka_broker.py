@@ -30,6 +30,7 @@ from pipeline.bench.broker import (
 )
 
 KAFKA_FIXTURES = {"kafka_broker", "kafka_bootstrap", "topic_factory"}
+_BROKER_UP_AT_START = pytest.StashKey[bool]()  # in the controlling process: was a broker up before the run
 
 
 @dataclass
@@ -124,3 +125,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if uses_the_broker_fixtures(item):
             item.add_marker(pytest.mark.kafka)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # In the controlling process only: xdist workers have `workerinput`, and a run without xdist has one process.
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_BROKER_UP_AT_START] = port_open(kafka_port())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop a broker this run started and did not stop: the worker that started it died before its session
+    fixture's teardown (a crash, a kill by timeout). A broker that was up before the run is left running."""
+    if hasattr(session.config, "workerinput") or session.config.stash.get(_BROKER_UP_AT_START, True):
+        return
+    if managed_broker_running():
+        warnings.warn("stopping the Kafka broker a test process started and left running", stacklevel=1)
+        run_kafka_script("stop", STOP_TIMEOUT_S)
