@@ -113,7 +113,7 @@ class Restore:
         log.info("partitions assigned partitions=%s", partitions)
         if partitions:
             self.stats.rebalances += 1
-        beyond = [p for p in partitions if 0 < self.partitions <= p]  # 0: the count is not known yet
+        beyond = [p for p in partitions if self._beyond(p)]
         if beyond:  # no changelog partition holds their states: nothing to restore, every record refused
             self._hold_beyond(beyond)
             tps = [tp for tp in tps if tp.partition not in beyond]
@@ -127,6 +127,10 @@ class Restore:
         else:
             self.probes.done("partitions")  # no partition at all is ready too: a spare member, idle
         self._run_writer(partitions, assigned=True)
+
+    def _beyond(self, partition: int) -> bool:
+        """Whether `partition` of `transactions` was added after this instance started (0: not known yet)."""
+        return 0 < self.partitions <= partition
 
     def _hold_beyond(self, partitions: list[int]) -> None:
         """Partitions added to `transactions` after this instance started: read, and every record of them
@@ -247,12 +251,13 @@ class Restore:
         self.scorer.take_changed()
         leaving = set(revoked)
         kept = sorted({tp.partition for tp in batch} - leaving)
-        if kept:  # records past those this instance knows of: an aborted commit that landed after all
-            ends = {p: self.dormant.ends.get(p, 0) for p in kept}
+        with_states = [p for p in kept if not self._beyond(p)]  # the others have no changelog partition
+        if with_states:  # records past those this instance knows of: an aborted commit that landed after all
+            ends = {p: self.dormant.ends.get(p, 0) for p in with_states}
             places, read = read_places(self.restorer, self.changelog, ends, self.cfg.restore_timeout_s)
             self.dormant.committed(places)
             if self.shadow is not None:
-                read += self.shadow.read_tail(self.restorer, kept, self.cfg.restore_timeout_s)
+                read += self.shadow.read_tail(self.restorer, with_states, self.cfg.restore_timeout_s)
             self.stats.changelog_records_read += read
             self.metrics.inc("txsentinel_changelog_records_read_total", read)
         self.stats.states_rewound += len(held)

@@ -124,6 +124,20 @@ def test_a_partition_added_after_the_start_is_read_unpaused_with_nothing_to_rest
     assert restored == [[0]] and service.assigned == {0, 1}
 
 
+def test_a_rewind_reads_no_changelog_for_a_partition_added_after_the_start(monkeypatch):
+    service, _ = make_service([])
+    service.partitions, service.assigned = 1, {0, 1}
+    tails = []
+    monkeypatch.setattr(
+        restore_module, "read_places", lambda r, t, starts, s: (tails.append(starts), ({}, 0))[1]
+    )
+    service._restore_terminals = lambda: None
+    service._rewind({P0: [Key(b"a")], P1: [Key(b"b")]})
+    assert tails == [{0: 0}] and service.to_seek == {0, 1}  # both go back; only 0 has states to read
+    service._rewind({P1: [Key(b"b")]})
+    assert tails == [{0: 0}]
+
+
 def test_a_rewind_lets_go_of_the_batchs_accounts_only_and_seeks_back_before_the_next_poll(frame, monkeypatch):
     service, consumer = make_service([])
     txs = transactions_from_frame(frame.head(400))
