@@ -33,7 +33,7 @@ def check_settings(cfg: Any) -> None:
         ("poll_timeout_ms", 1),
         ("transaction_timeout_ms", 1),
         ("session_timeout_ms", 1),
-        ("metadata_max_age_ms", 1),
+        ("metadata_max_age_ms", 100),  # each read asks for every subscribed topic's metadata
         ("producer_batch_bytes", 1),
         ("producer_linger_ms", 0),
         ("producer_retry_backoff_ms", 0),

@@ -8,7 +8,7 @@ deltas: as many partitions as `transactions`, time retention (consumers/terminal
 import logging
 import time
 
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, KafkaConsumer
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from consumers.runtime.settings import ServeConfig
@@ -116,3 +116,13 @@ create_topic, partition_count = (
     _create,
     _partition_count,
 )  # for the shadow's topics (consumers/service/shadow.py)
+
+
+def refresh_metadata(consumer: KafkaConsumer, timeout_ms: int) -> None:
+    """Have `consumer` read the cluster's metadata now, waiting at most `timeout_ms`: KafkaError past it, or
+    when the request fails. A group's leader that reads a new partition count rebalances the group.
+
+    kafka-python 3 has no public call for it with a bound (KafkaConsumer.topics() waits without one), and
+    its own metadata_max_age_ms timer was seen to leave a new partition unread for minutes."""
+    future = consumer._cluster.request_update()
+    consumer._net.run(consumer._manager.wait_for, future, timeout_ms)

@@ -178,7 +178,7 @@ class BatchScorer:
             f"record on partition {partition}, but its key {key[:80]!r} belongs on partition {home} "
             f"({self.partitioner}): its account's state lives with that partition, so here it would be scored "
             "without its history and split the state. Send it by its key; producer_partitioner names the "
-            "producers' rule"
+            "producers' rule. Or the topic has grown since the start: that is a new deployment"
         )
 
     def _score(self, out: ScoredBatch, events: list[_Event]) -> list[OutputRecord]:

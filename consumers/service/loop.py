@@ -27,6 +27,7 @@ from dataclasses import asdict
 import numpy as np
 from kafka import KafkaConsumer
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
+from kafka.errors import KafkaError
 
 from consumers.runtime.compacted import RESTORE_FETCH, Reader, read_at
 from consumers.runtime.drift import drift_window
@@ -37,6 +38,7 @@ from consumers.runtime.settings import ServeConfig
 from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import (
     ensure_topics,  # also the public way in for callers (pipeline/cli/demo.py)
+    refresh_metadata,
 )
 from consumers.scoring.message_limits import MessageLimits
 from consumers.scoring.scorer import Scorer
@@ -54,6 +56,8 @@ from pipeline.registry.artifact import LoadedModel
 from pipeline.registry.tracking import load_model
 
 log = logging.getLogger(__name__)
+
+METADATA_WAIT_MS = 5_000  # the longest a metadata read holds up the loop (_watch_metadata)
 
 
 def serve(
@@ -245,14 +249,17 @@ class _Service(Restore, Transactions, Bookkeeping):
             self._recover(error, batch)
 
     def _watch_metadata(self) -> None:
-        """Every metadata_max_age_ms, read the cluster's metadata through the consumer: the group then sees a
-        partition added to `transactions` (restore.py, _hold_beyond) within that time. kafka-python's own
-        refresh timer was seen to miss one for minutes, and a bare request for an update to stay unserved;
-        this read is served. It waits while the broker does not answer, as the polls would bring nothing."""
+        """Every metadata_max_age_ms, read the cluster's metadata, so that the group sees a partition added
+        to `transactions` (restore.py, _hold_beyond) within that time. A broker that does not answer holds
+        the loop up for at most METADATA_WAIT_MS: the polls would bring nothing meanwhile either."""
         now = time.monotonic()
-        if now - self.metadata_at >= self.cfg.metadata_max_age_ms / 1000:
-            self.metadata_at = now
-            self.consumer.topics()
+        if now - self.metadata_at < self.cfg.metadata_max_age_ms / 1000:
+            return
+        self.metadata_at = now
+        try:
+            refresh_metadata(self.consumer, min(METADATA_WAIT_MS, self.cfg.metadata_max_age_ms))
+        except KafkaError as error:
+            log.warning("metadata read failed, tried again in metadata_max_age_ms: %r", error)
 
     def _score(self, batch: dict) -> ScoredBatch:
         """The batch scored, one event at a time where it holds records of a batch that failed in scoring;

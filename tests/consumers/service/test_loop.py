@@ -17,6 +17,7 @@ from kafka.errors import CommitFailedError, KafkaConnectionError, ProducerFenced
 from kafka.structs import ConsumerGroupMetadata, MemberState, OffsetAndMetadata, TopicPartition
 
 from consumers.runtime.settings import load_serve_config
+from consumers.service import loop as loop_module
 from consumers.service.commit_pipeline import ScoredBatch, TransactionPipeline
 from consumers.service.loop import _Service
 from models.registry import build_detector
@@ -371,3 +372,20 @@ def test_a_failure_while_scoring_carefully_is_not_the_inputs_and_counts_towards_
     with pytest.raises(RuntimeError, match="3 batches in a row failed"):
         service.run(stop)
     assert service.suspect == {0: 1}
+
+
+def test_the_metadata_is_read_every_metadata_max_age_ms_and_a_failed_read_stops_nothing(monkeypatch, caplog):
+    service, _ = make_service([], metadata_max_age_ms=1000)
+    reads = []
+
+    def refresh_metadata(consumer, timeout_ms):
+        reads.append(timeout_ms)
+        raise KafkaConnectionError("the broker went away")
+
+    monkeypatch.setattr(loop_module, "refresh_metadata", refresh_metadata)
+    service._watch_metadata()
+    assert reads == []  # not yet due: the start has just read it
+    service.metadata_at -= 1.0
+    service._watch_metadata()
+    service._watch_metadata()
+    assert reads == [1000] and "metadata read failed, tried again in metadata_max_age_ms" in caplog.text
