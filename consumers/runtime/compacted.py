@@ -133,18 +133,31 @@ def read_latest(
     """({key: last value, None for a tombstone}, records read) of `partitions` of `topic`.
 
     Keys are UTF-8 (account and terminal ids). `reader` is assigned the partitions and unassigned after.
-    With `last_key`, the read goes on past the high watermark until the last record read has that key (or
-    none was read): a writer that ends each transaction with it is then read at a transaction's end. One
-    partition only then: "the last record" of several would mean nothing.
+    With `last_key`, the read goes on past the high watermark while the last record read has another key
+    and the topic holds more (a transaction being written): a writer that ends each transaction with it is
+    then read at a transaction's end. What comes after the last record with that key, once the topic holds
+    no more, no such transaction wrote: it is left out, logged. One partition only then: "the last record"
+    of several would mean nothing.
     Raises TimeoutError past `timeout_s`, naming what was left, and ValueError for a record without a key.
+    A record whose key is not UTF-8 names no account or terminal: it is skipped, logged.
     """
     if last_key is not None and len(partitions) != 1:
         raise ValueError(f"a read up to a last key reads one partition, got {partitions}")
     latest: dict[str, bytes | None] = {}
+    pending: dict[str, bytes | None] = {}  # with last_key: read since the last record with it
     read = 0
     for key, record in _records(reader, topic, partitions, timeout_s, last_key):
-        latest[key] = record.value  # the last record per key wins
+        (latest if last_key is None else pending)[key] = record.value  # the last record per key wins
+        if key == last_key:
+            latest.update(pending)
+            pending.clear()
         read += 1
+    if pending:
+        log.error(
+            "records after the last %r record of %r left out: keys=%d first=%r (no transaction that ends "
+            "with one wrote them: another producer, or a writer that failed)",
+            last_key, topic, len(pending), next(iter(pending))[:100],
+        )  # fmt: skip
     return latest, read
 
 
@@ -287,13 +300,18 @@ def _records(
     for tp in tps:
         if starts and starts.get(tp.partition):
             consumer.seek(tp, starts[tp.partition])
-    end = reader.watermarks.end_offsets(tps) if end is None else end
+    end = dict(reader.watermarks.end_offsets(tps) if end is None else end)  # more() may move it on
     read, next_log = 0, started + PROGRESS_EVERY_S
     last = last_key  # the last record's key; nothing read yet counts as ending right
 
     def more() -> bool:
-        behind = any(consumer.position(tp) < end[tp] for tp in tps)
-        return behind or (last_key is not None and last != last_key)
+        if any(consumer.position(tp) < end[tp] for tp in tps):
+            return True
+        if last_key is None or last == last_key:
+            return False
+        # Past the end taken at the start, on only while a transaction is written (or ends) beyond it.
+        end.update(reader.watermarks.end_offsets(tps))
+        return any(consumer.position(tp) < end[tp] for tp in tps)
 
     while more():
         now = time.monotonic()
@@ -318,6 +336,13 @@ def _records(
                         "state topic holds keyed records only; was another producer pointed at it?"
                     )
                 read += 1
-                last = record.key.decode()
+                try:
+                    last = record.key.decode()
+                except UnicodeDecodeError:
+                    log.error(
+                        "%r partition %d offset %d skipped: its key is not UTF-8, so it names no account or "
+                        "terminal (%r)", topic, record.partition, record.offset, bytes(record.key[:40]),
+                    )  # fmt: skip
+                    continue
                 yield last, record
     consumer.unsubscribe()

@@ -175,6 +175,35 @@ def test_a_read_until_a_key_takes_a_transaction_written_across_its_start_whole(
         consumer.close()
 
 
+def test_what_follows_the_last_key_is_left_out_at_once_and_a_key_not_utf8_is_skipped(
+    kafka_bootstrap, topic_factory, caplog
+):
+    # A record after the writer's last flush (another producer's, or garbage) ends no transaction with the
+    # last key: the read must not wait for one that is not coming (it held every start to its timeout).
+    topic = topic_factory("compacted")
+    writer = transactional(kafka_bootstrap)
+    writer.begin_transaction()
+    writer.send(topic, key=b"t1", value=b"t1@1", partition=0)
+    writer.send(topic, key=b"\xff\xfe", value=b"not a terminal", partition=0)
+    writer.send(topic, key=b"POS", value=b"1", partition=0)
+    writer.commit_transaction()
+    writer.close()
+    stray = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    stray.send(topic, key=b"t2", value=b"stray", partition=0)
+    stray.flush()
+    stray.close()
+    consumer = reader(kafka_bootstrap)
+    try:
+        started = time.monotonic()
+        latest, read = read_latest(consumer, topic, [0], 30, last_key="POS")
+        assert time.monotonic() - started < 10
+    finally:
+        consumer.close()
+    assert latest == {"t1": b"t1@1", "POS": b"1"} and read == 3
+    assert "offset 1 skipped: its key is not UTF-8" in caplog.text
+    assert "records after the last 'POS' record of" in caplog.text and "keys=1 first='t2'" in caplog.text
+
+
 def test_a_restore_reads_each_accounts_last_state_into_a_store_that_grows_once(
     kafka_bootstrap, topic_factory
 ):
