@@ -2,6 +2,7 @@
 --debug adds the traceback. The broker cases use a port nothing listens on; the model case a real MLflow
 store in tmp."""
 
+import errno
 import os
 import shutil
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
 from kafka.errors import InvalidReplicationFactorError, TopicAuthorizationFailedError
 
@@ -274,3 +276,40 @@ def test_a_feature_table_path_that_is_a_directory_and_a_dataset_over_other_files
     line = refused(capsys, ["generate", "--accounts", "5", "--days", "1", "--out", str(tmp_path)], 2)
     assert "holds ['notes.txt'], which are not a dataset's files" in line
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+UNWRITABLE = Path("/proc/txsentinel-test")  # refused to root as well: permission bits do not tell
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--accounts", "5", "--days", "1", "--out", "{out}"],
+        ["ingest", "{data}/transactions.parquet", "--mapping", "canonical", "--out", "{out}"],
+        ["features", "--data", "{data}", "--out", "{out}/features.parquet"],
+        ["train", "--data", "{data}", "--model", "logreg", "--set", "out_dir={out}"],
+        ["backtest", "--data", "{data}", "--model", "models:/nope@champion", "--out", "{out}"],
+        ["compare", "--out", "{out}"],
+        ["schemas", "--out", "{out}"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_an_output_where_nothing_can_be_created_is_refused_before_any_work(
+    argv, small_dataset, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    argv = [arg.format(out=UNWRITABLE / "out", data=small_dataset) for arg in argv]
+    line = refused(capsys, argv, 2)
+    assert f"{UNWRITABLE}/out" in line and "nothing can be created in /proc (" in line
+    assert line.endswith("choose a place this user can write")
+
+
+def test_a_dataset_that_fails_to_write_after_all_is_named_by_its_own_path(tmp_path, monkeypatch, capsys):
+    def disk_full(frame, path, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", disk_full)
+    out = tmp_path / "data"
+    line = refused(capsys, ["generate", "--accounts", "20", "--days", "3", "--out", str(out)], 1)
+    assert line.endswith(f"No space left on device; the dataset was not written: '{out}'")
+    assert list(tmp_path.iterdir()) == []  # nor its staging directory, which the error used to name
