@@ -23,6 +23,7 @@ from pipeline.cli.errors import (
     OperatorError,
     check_output,
     model_errors,
+    tracking_errors,
 )
 from pipeline.cli.logs import add_logging_flags
 from pipeline.cli.monitor import add_monitor_command
@@ -325,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with tracking_errors():
+            return args.run(args)
     except OperatorError as error:
         return _refuse(args, error, error.exit_code)
     except (ValueError, FileNotFoundError) as error:
