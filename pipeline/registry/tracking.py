@@ -22,6 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.credentials import get_default_host_creds
 from mlflow.utils.rest_utils import http_request_safe
+from mlflow.utils.validation import _validate_experiment_name, _validate_model_name
 from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline.registry.artifact import LoadedModel, load_model_dir
@@ -293,11 +294,11 @@ def promote(alias: str, registered_name: str, run_id: str | None = None, version
         raise ValueError("promote: give exactly one of --run RUN_ID or --version N")
     if alias_problem := _alias_problem(alias):
         raise ValueError(f"--alias {alias!r}: {alias_problem}")
+    if name_problem := registered_name_problem(registered_name):
+        raise ValueError(f"--model-name {registered_name!r}: {name_problem}")
     configure_tracking()
     client = MlflowClient()
-    # Every registered version of the model, by run; the name goes into a search filter, so no quote in it.
-    if "'" in registered_name:
-        raise ValueError(f"model name {registered_name!r}: a registered model's name holds no quote (')")
+    # Every registered version of the model, by run (the name was checked to hold no quote).
     runs = {int(v.version): v.run_id for v in client.search_model_versions(f"name='{registered_name}'")}
     if not runs:
         raise ValueError(
@@ -314,6 +315,28 @@ def promote(alias: str, registered_name: str, run_id: str | None = None, version
     print(promotion_table(client, registered_name, alias, int(version)))
     client.set_registered_model_alias(registered_name, alias, str(version))
     return int(version)
+
+
+def registered_name_problem(name: str) -> str | None:
+    """What the registry would refuse in a registered model's name, or None: MLflow's own check (the one its
+    SQL stores and tracking server apply), and a quote, which promote's search filter cannot hold."""
+    if "'" in name:
+        return "a registered model's name holds no quote (')"
+    return _mlflow_refusal(_validate_model_name, name)
+
+
+def experiment_name_problem(name: str) -> str | None:
+    """What MLflow would refuse in an experiment's name (its own check), or None."""
+    return _mlflow_refusal(_validate_experiment_name, name)
+
+
+def _mlflow_refusal(check: Any, name: str) -> str | None:
+    # MLflow's checks are private functions; tests/pipeline/registry/test_tracking.py holds them to their rules.
+    try:
+        check(name)
+    except MlflowException as error:
+        return _first_line(error)
+    return None
 
 
 def _alias_problem(alias: str) -> str | None:

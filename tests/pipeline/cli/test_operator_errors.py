@@ -365,6 +365,26 @@ def test_a_tracking_server_that_does_not_answer_is_named_within_seconds(
     assert "Connection refused" in line and "MLFLOW_TRACKING_TOKEN" in line
 
 
+@pytest.mark.parametrize(
+    ("name", "complaint"),
+    [
+        ("bad/name", "Invalid model name 'bad/name'. Names cannot contain '/' or ':'"),
+        ("a:b", "Names cannot contain '/' or ':'"),
+        ("..", "This name would resolve to '..'"),
+        ("it's", "a registered model's name holds no quote (')"),
+    ],
+)
+def test_a_registered_model_name_the_registry_refuses_is_named_before_any_data_is_read(
+    name, complaint, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    argv = ["train", "--data", str(tmp_path / "never-read"), "--set", f"registered_model={name}"]
+    line = refused(capsys, argv, 2)
+    assert f"train config: registered_model = {name!r}: " in line and complaint in line
+    line = refused(capsys, ["promote", "--version", "1", "--model-name", name], 2)
+    assert f"--model-name {name!r}: " in line and complaint in line
+
+
 UNWRITABLE = Path("/proc/txsentinel-test")  # refused to root as well: permission bits do not tell
 
 

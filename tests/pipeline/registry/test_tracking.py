@@ -1,4 +1,5 @@
-"""The tracking store as several jobs meet it: opened by processes that start together; servers it refuses."""
+"""The tracking store as several jobs meet it: opened by processes that start together; names and servers it
+refuses."""
 
 import http.server
 import subprocess
@@ -15,7 +16,12 @@ from pipeline.cli.main import main
 from pipeline.features import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
 from pipeline.registry.artifact import save_model_dir
-from pipeline.registry.tracking import TrackingStoreError, configure_tracking, load_model
+from pipeline.registry.tracking import (
+    TrackingStoreError,
+    configure_tracking,
+    load_model,
+    registered_name_problem,
+)
 
 OPEN_STORE = """
 from pipeline.registry.tracking import configure_tracking
@@ -88,6 +94,20 @@ def test_a_directory_is_loaded_only_when_it_holds_exactly_one_model(tmp_path):
     assert load_model(str(tmp_path / "runs" / "b" / "model")).detector.name == "lstm"
     with pytest.raises(ValueError, match="an empty model URI"):
         load_model("")  # Path("") is the working directory
+
+
+@pytest.mark.parametrize(
+    "name", ["bad/name", "a:b", "..", ".", "./x", "x/../y", "ok", "with space", "v2-champion", "ünïcode"]
+)
+def test_the_names_refused_up_front_are_those_the_registry_refuses(name, tmp_path):
+    # The check is MLflow's own (a private function): held here to what a real store does with the name.
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        client.create_registered_model(name)
+        registry_refuses = False
+    except mlflow.exceptions.MlflowException:
+        registry_refuses = True
+    assert (registered_name_problem(name) is not None) == registry_refuses
 
 
 class Answers(http.server.BaseHTTPRequestHandler):
