@@ -1,8 +1,8 @@
 """Operator mistakes as one line that says what is wrong and what to do, instead of a library's traceback
 (`--debug` prints it as well). Errors the operator cannot fix, bugs, keep their traceback.
 
-Exit codes: 2 for a setting, flag or input the operator got wrong (argparse's own code); 1 for a model store
-or Kafka cluster that refused or did not answer.
+Exit codes: 2 for a setting, flag or input the operator got wrong (argparse's own code); 1 for a model store,
+Kafka cluster or file system that refused or did not answer.
 
 An MLflow or Kafka exception can only come from a library already loaded, so these look their exception
 classes up in sys.modules instead of importing them: `txsentinel --help` must not wait seconds for MLflow.
@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from pipeline.data.output_paths import unwritable
 
 EXIT_INPUT = 2
 EXIT_OUTSIDE = 1
@@ -37,8 +39,8 @@ def _notes(error: BaseException) -> str:
 
 def check_output(path: Path | None, setting: str, directory: bool = True) -> None:
     """Refuse an output path (given by `setting`, e.g. "--out") that cannot be written, before any work is
-    done: a file where a directory goes, a directory where a file goes, or a path under a file. None: no
-    output asked for."""
+    done: a file where a directory goes, a directory where a file goes, a path under a file, or one in a
+    place this user cannot write (nothing is left behind by asking). None: no output asked for."""
     if path is None:
         return
     for parent in Path(path).parents:
@@ -52,6 +54,21 @@ def check_output(path: Path | None, setting: str, directory: bool = True) -> Non
         raise OperatorError(
             f"{setting} {path} is a directory; expected the path of a file to write", EXIT_INPUT
         )
+    if problem := unwritable(path if directory else path.parent):
+        raise OperatorError(f"{setting} {path}: {problem}; choose a place this user can write", EXIT_INPUT)
+
+
+@contextmanager
+def tracking_errors() -> Iterator[None]:
+    """A tracking store that cannot be used (pipeline.registry.tracking.TrackingStoreError, raised where a command
+    first opens it) becomes an OperatorError: exit 1 for a server that refused or did not answer, else 2."""
+    try:
+        yield
+    except Exception as error:
+        tracking = sys.modules.get("pipeline.registry.tracking")
+        if tracking is None or not isinstance(error, tracking.TrackingStoreError):
+            raise
+        raise OperatorError(str(error), EXIT_OUTSIDE if error.unavailable else EXIT_INPUT) from error
 
 
 @contextmanager

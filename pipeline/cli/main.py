@@ -17,7 +17,14 @@ from pathlib import Path
 import configs
 from consumers.runtime.settings import load_serve_config, parse_settings
 from pipeline.cli.bench_commands import add_bench_commands
-from pipeline.cli.errors import EXIT_INPUT, OperatorError, check_output, model_errors
+from pipeline.cli.errors import (
+    EXIT_INPUT,
+    EXIT_OUTSIDE,
+    OperatorError,
+    check_output,
+    model_errors,
+    tracking_errors,
+)
 from pipeline.cli.logs import add_logging_flags
 from pipeline.cli.monitor import add_monitor_command
 from pipeline.cli.serving import (
@@ -319,12 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with tracking_errors():
+            return args.run(args)
     except OperatorError as error:
         return _refuse(args, error, error.exit_code)
     except (ValueError, FileNotFoundError) as error:
         # Bad input from the user: say what and where, without a traceback.
         return _refuse(args, error, EXIT_INPUT)
+    except OSError as error:
+        if error.filename is None:
+            raise
+        # A file the work could not write or read after all (a full disk, a permission changed), named.
+        return _refuse(args, error, EXIT_OUTSIDE)
 
 
 def _refuse(args: argparse.Namespace, error: Exception, exit_code: int) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 import polars as pl
 
+from pipeline.data.output_paths import unwritable
 from pipeline.data.schema import (
     EARLIEST_TS,
     EVENT_ORDER,
@@ -87,16 +88,22 @@ def write_dataset(
         "summary": summary.as_dict(),
         "source": source,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = _sibling(out, "writing")
     try:
-        frame.write_parquet(staging / TRANSACTIONS_FILE, statistics=True)
-        (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
-        if quarantine is not None:
-            quarantine.write_parquet(staging / QUARANTINE_FILE)
-        _swap_into_place(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already when the swap succeeded
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = _sibling(out, "writing")
+        try:
+            frame.write_parquet(staging / TRANSACTIONS_FILE, statistics=True)
+            (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
+            if quarantine is not None:
+                quarantine.write_parquet(staging / QUARANTINE_FILE)
+            _swap_into_place(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone already when the swap succeeded
+    except OSError as error:
+        # Named for the dataset asked for, not the staging directory beside it that no one asked for.
+        raise OSError(
+            error.errno, f"{error.strerror or error}; the dataset was not written", str(out)
+        ) from error
     return summary
 
 
@@ -112,8 +119,9 @@ def _check_ts_range(frame: pl.DataFrame) -> None:
 
 
 def check_output_dir(out_dir: str | Path) -> None:
-    """Refuse an `out_dir` that a dataset cannot take the place of: a file, a path under a file, or a
-    directory holding anything but a dataset's files (replacing it would delete them)."""
+    """Refuse an `out_dir` that a dataset cannot take the place of: a file, a path under a file, a place this
+    user cannot write, or a directory holding anything but a dataset's files (replacing it would delete
+    them)."""
     out = Path(out_dir)
     for path in (out, *out.parents):
         if path.exists() and not path.is_dir():
@@ -121,6 +129,8 @@ def check_output_dir(out_dir: str | Path) -> None:
             raise ValueError(
                 f"{out} {where}; expected a dataset directory to write (new, empty or a dataset)"
             )
+    if problem := unwritable(out.parent):  # the dataset is written beside `out`, then takes its place
+        raise ValueError(f"{out}: {problem}; choose a place this user can write")
     if out.is_dir():
         others = sorted(p.name for p in out.iterdir() if p.name not in DATASET_FILES)
         if others:

@@ -213,6 +213,8 @@ def _warn_on_training_overlap(meta: dict[str, Any], periods: list[Period]) -> No
 
 def backtest(cfg: BacktestConfig, model: LoadedModel | None = None) -> BacktestResult:
     """Replay cfg.data through the live scorer of `model` (loaded from cfg.model_uri when not given)."""
+    if cfg.log_to_mlflow:
+        configure_tracking()  # the store opens before the replay: one it cannot use fails now, not at the end
     model = load_model(cfg.model_uri) if model is None else model
     require_labels(cfg.data, "a backtest needs known outcomes")
     frame = read_dataset(cfg.data)

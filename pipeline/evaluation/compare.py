@@ -91,6 +91,8 @@ def compare(
     data: the dataset the runs were tested on; with it, CP@100 per day leaves out accounts whose fraud was
     already known (the Handbook protocol). Without it the per-day plot drops only already-caught accounts.
     """
+    if data is not None:  # before the store is read and the table printed: the plots come last
+        require_labels(data, "compare --data reads which frauds were known when")
     configure_tracking()
     client = MlflowClient()
     runs = _model_runs(client, experiment)
@@ -171,7 +173,6 @@ def write_plots(table: pl.DataFrame, client: MlflowClient, out: Path, data: Path
     out.mkdir(parents=True, exist_ok=True)
     labels = None
     if data is not None:
-        require_labels(data, "compare --data reads which frauds were known when")
         labels = read_dataset(data).select("account_id", "ts", "is_fraud", "label_ts")
     pr, cp, budget = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:

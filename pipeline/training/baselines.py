@@ -41,6 +41,7 @@ BASELINES = ("logreg", "random_forest", "hist_gbdt", "isolation_forest")
 
 
 def train_baseline(cfg: TrainConfig):
+    configure_tracking()  # the store opens before the data is read: one it cannot use fails now, not at the end
     started = time.perf_counter()
     require_labels(cfg.data, f"{cfg.model} is trained and tested on known fraud")
     frame = read_dataset(cfg.data)
@@ -66,7 +67,6 @@ def train_baseline(cfg: TrainConfig):
     scored = test.select("event_id", "account_id", "ts", "is_fraud").with_columns(pl.Series("score", scores))
     metrics = detection_metrics(scored, frame, split.test, cfg.cp_k, cfg.delay_days)
 
-    configure_tracking()
     mlflow.set_experiment(cfg.experiment)
     with mlflow.start_run(run_name=cfg.model) as run:
         log_params(flatten(cfg, {}))

@@ -18,6 +18,7 @@ from models.checks import is_finite_number, is_integer, read_number, read_settin
 from models.registry import REGISTRY, config_class
 from pipeline.data.splits import DAY, Period, Split, dataset_days
 from pipeline.evaluation.protocol import MAX_K
+from pipeline.registry.tracking import experiment_name_problem, registered_name_problem
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
 
@@ -171,6 +172,13 @@ def _check_kinds(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"train config: {name} = {_shown(value)}, expected a name")
+    # MLflow's rules, checked now: MLflow itself checks the name when it registers the model, after the training.
+    for name, problem in (
+        ("experiment", experiment_name_problem),
+        ("registered_model", registered_name_problem),
+    ):
+        if why := problem(getattr(cfg, name)):
+            raise ValueError(f"train config: {name} = {_shown(getattr(cfg, name))}: {why}")
     if cfg.accelerator not in ACCELERATORS:
         raise ValueError(
             f"train config: accelerator = {_shown(cfg.accelerator)}, expected one of {ACCELERATORS}"

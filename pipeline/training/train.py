@@ -149,6 +149,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             return train_baseline(cfg)
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {sorted(REGISTRY) + sorted(BASELINES)}")
     _check_devices(cfg)
+    configure_tracking()  # the store opens before the data is read: one it cannot use fails now, not at the end
     require_labels(cfg.data, f"{cfg.model} is trained and tested on known fraud")
     started = time.perf_counter()
     pl_lightning.seed_everything(cfg.seed, workers=True, verbose=False)

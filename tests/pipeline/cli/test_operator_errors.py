@@ -1,14 +1,17 @@
 """An operator's mistake ends in one line that says what is wrong and what to do, and a non-zero exit code;
---debug adds the traceback. The broker cases use a port nothing listens on; the model case a real MLflow
-store in tmp."""
+--debug adds the traceback. The broker and tracking server cases use a port nothing listens on; the model and
+tracking store cases real MLflow stores in tmp."""
 
+import errno
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import polars as pl
 import pytest
 from kafka.errors import InvalidReplicationFactorError, TopicAuthorizationFailedError
 
@@ -274,3 +277,146 @@ def test_a_feature_table_path_that_is_a_directory_and_a_dataset_over_other_files
     line = refused(capsys, ["generate", "--accounts", "5", "--days", "1", "--out", str(tmp_path)], 2)
     assert "holds ['notes.txt'], which are not a dataset's files" in line
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def bad_stores(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """Tracking URIs no command can use, each with what its refusal says. Made in tmp_path."""
+    (tmp_path / "afile").write_text("keep me")
+    (tmp_path / "notes.db").write_text("not a database")
+    (tmp_path / "adir").mkdir()
+    return {
+        "under a file": (f"sqlite:///{tmp_path}/afile/mlflow.db", f"{tmp_path}/afile is a file, so no store"),
+        "not a database": (f"sqlite:///{tmp_path}/notes.db", f"{tmp_path}/notes.db is not a SQLite database"),
+        # MLflow retried this one for over a minute, then failed in a SQL traceback.
+        "a directory": (f"sqlite:///{tmp_path}/adir", f"{tmp_path}/adir is a directory; name the database"),
+        "file store": (f"file://{tmp_path}/mlruns", "a file store, which MLflow"),
+        "relative file store": ("mlruns", "unless MLFLOW_ALLOW_FILE_STORE=true; use a database store"),
+        "unknown scheme": ("nosuch://store", "MLflow cannot open this store: "),
+        "empty": ("", "MLFLOW_TRACKING_URI is set but empty"),
+    }
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "under a file",
+        "not a database",
+        "a directory",
+        "file store",
+        "relative file store",
+        "unknown scheme",
+        "empty",
+    ],
+)
+def test_a_tracking_store_that_cannot_be_used_is_named_in_one_line(kind, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    uri, complaint = bad_stores(tmp_path)[kind]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    line = refused(capsys, ["promote", "--version", "1"], 2)
+    assert complaint in line
+    if uri:
+        assert f"MLFLOW_TRACKING_URI={uri}: " in line
+    assert (tmp_path / "afile").read_text() == "keep me" and not (tmp_path / "mlruns").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--data", "{never}", "--model", "lstm"],
+        ["train", "--data", "{never}", "--model", "logreg"],
+        ["backtest", "--data", "{never}", "--model", "{model}"],
+        ["backtest", "--data", "{never}", "--model", "models:/txsentinel@champion", "--no-mlflow"],
+        ["compare"],
+        ["serve", "--model", "models:/txsentinel@champion"],
+    ],
+    ids=["train", "train baseline", "backtest", "backtest registered", "compare", "serve"],
+)
+def test_every_command_that_uses_the_tracking_store_refuses_a_bad_one_before_reading_data(
+    argv, tiny_model, tmp_path, monkeypatch, capsys
+):
+    # A dataset that is not there: the store is refused first. train used to read the data and train, then fail.
+    uri, complaint = bad_stores(tmp_path)["under a file"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    argv = [arg.format(never=tmp_path / "never-read", model=tiny_model) for arg in argv]
+    line = refused(capsys, argv, 2)
+    assert f"MLFLOW_TRACKING_URI={uri}: {complaint}" in line
+
+
+def test_a_sqlite_store_in_a_directory_not_yet_made_is_made_there_as_mlflow_does(
+    tmp_path, monkeypatch, capsys
+):
+    uri = f"sqlite:///{tmp_path}/stores/team/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    line = refused(capsys, ["promote", "--version", "1"], 2)
+    assert f"no registered model 'txsentinel' in {uri}" in line  # the store opened, empty
+    assert (tmp_path / "stores" / "team" / "mlflow.db").is_file()
+
+
+def test_a_tracking_server_that_does_not_answer_is_named_within_seconds(
+    unused_port, tmp_path, monkeypatch, capsys
+):
+    # MLflow's client retried for minutes; train read the data and trained before it first asked.
+    uri = f"http://127.0.0.1:{unused_port}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    started = time.monotonic()
+    line = refused(capsys, ["train", "--data", str(tmp_path / "never-read"), "--model", "logreg"], 1)
+    assert time.monotonic() - started < 30
+    assert f"the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI) refused or did not answer" in line
+    assert "Connection refused" in line and "MLFLOW_TRACKING_TOKEN" in line
+
+
+@pytest.mark.parametrize(
+    ("name", "complaint"),
+    [
+        ("bad/name", "Invalid model name 'bad/name'. Names cannot contain '/' or ':'"),
+        ("a:b", "Names cannot contain '/' or ':'"),
+        ("..", "This name would resolve to '..'"),
+        ("it's", "a registered model's name holds no quote (')"),
+    ],
+)
+def test_a_registered_model_name_the_registry_refuses_is_named_before_any_data_is_read(
+    name, complaint, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    argv = ["train", "--data", str(tmp_path / "never-read"), "--set", f"registered_model={name}"]
+    line = refused(capsys, argv, 2)
+    assert f"train config: registered_model = {name!r}: " in line and complaint in line
+    line = refused(capsys, ["promote", "--version", "1", "--model-name", name], 2)
+    assert f"--model-name {name!r}: " in line and complaint in line
+
+
+UNWRITABLE = Path("/proc/txsentinel-test")  # refused to root as well: permission bits do not tell
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--accounts", "5", "--days", "1", "--out", "{out}"],
+        ["ingest", "{data}/transactions.parquet", "--mapping", "canonical", "--out", "{out}"],
+        ["features", "--data", "{data}", "--out", "{out}/features.parquet"],
+        ["train", "--data", "{data}", "--model", "logreg", "--set", "out_dir={out}"],
+        ["backtest", "--data", "{data}", "--model", "models:/nope@champion", "--out", "{out}"],
+        ["compare", "--out", "{out}"],
+        ["schemas", "--out", "{out}"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_an_output_where_nothing_can_be_created_is_refused_before_any_work(
+    argv, small_dataset, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    argv = [arg.format(out=UNWRITABLE / "out", data=small_dataset) for arg in argv]
+    line = refused(capsys, argv, 2)
+    assert f"{UNWRITABLE}/out" in line and "nothing can be created in /proc (" in line
+    assert line.endswith("choose a place this user can write")
+
+
+def test_a_dataset_that_fails_to_write_after_all_is_named_by_its_own_path(tmp_path, monkeypatch, capsys):
+    def disk_full(frame, path, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", disk_full)
+    out = tmp_path / "data"
+    line = refused(capsys, ["generate", "--accounts", "20", "--days", "3", "--out", str(out)], 1)
+    assert line.endswith(f"No space left on device; the dataset was not written: '{out}'")
+    assert list(tmp_path.iterdir()) == []  # nor its staging directory, which the error used to name

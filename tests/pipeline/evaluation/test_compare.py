@@ -4,6 +4,7 @@ import mlflow
 import polars as pl
 import pytest
 
+from pipeline.cli.main import main
 from pipeline.evaluation.backtest import BacktestConfig, backtest
 from pipeline.evaluation.compare import compare, display_table
 from pipeline.training.config import load_train_config
@@ -114,3 +115,18 @@ def test_the_table_prints_when_no_run_has_a_step_cost_or_a_quality_figure():
     shown = display_table(pl.DataFrame([row, row]))
     assert shown["step_us"].to_list() == [None, None] and shown["ap"].to_list() == [None, None]
     assert shown["cp_at_100"].to_list() == ["0.1", "0.1"] and shown["train_s"].to_list() == [3.3, 3.3]
+
+
+def test_a_dataset_to_plot_with_that_is_not_there_is_refused_before_the_store_is_read(
+    tmp_path, monkeypatch, capsys
+):
+    # A store holding one model run, which compare used to tabulate and print before it looked at --data.
+    use_fresh_store(monkeypatch, tmp_path)
+    mlflow.set_experiment("txsentinel")
+    with mlflow.start_run(tags={"model_family": "baseline", "detector": "logreg"}):
+        mlflow.log_metric("test/ap", 0.5)
+    capsys.readouterr()
+    assert main(["compare", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "out")]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and not (tmp_path / "out").exists()
+    assert printed.err.startswith(f"txsentinel compare: {tmp_path / 'nodata'} is not a dataset directory")

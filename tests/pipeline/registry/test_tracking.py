@@ -1,7 +1,11 @@
-"""The tracking store as several jobs meet it: opened by processes that start together."""
+"""The tracking store as several jobs meet it: opened by processes that start together; names and servers it
+refuses."""
 
+import http.server
 import subprocess
 import sys
+import threading
+import time
 
 import mlflow
 import pytest
@@ -12,7 +16,12 @@ from pipeline.cli.main import main
 from pipeline.features import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
 from pipeline.registry.artifact import save_model_dir
-from pipeline.registry.tracking import configure_tracking, load_model
+from pipeline.registry.tracking import (
+    TrackingStoreError,
+    configure_tracking,
+    load_model,
+    registered_name_problem,
+)
 
 OPEN_STORE = """
 from pipeline.registry.tracking import configure_tracking
@@ -85,3 +94,60 @@ def test_a_directory_is_loaded_only_when_it_holds_exactly_one_model(tmp_path):
     assert load_model(str(tmp_path / "runs" / "b" / "model")).detector.name == "lstm"
     with pytest.raises(ValueError, match="an empty model URI"):
         load_model("")  # Path("") is the working directory
+
+
+@pytest.mark.parametrize(
+    "name", ["bad/name", "a:b", "..", ".", "./x", "x/../y", "ok", "with space", "v2-champion", "ünïcode"]
+)
+def test_the_names_refused_up_front_are_those_the_registry_refuses(name, tmp_path):
+    # The check is MLflow's own (a private function): held here to what a real store does with the name.
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        client.create_registered_model(name)
+        registry_refuses = False
+    except mlflow.exceptions.MlflowException:
+        registry_refuses = True
+    assert (registered_name_problem(name) is not None) == registry_refuses
+
+
+class Answers(http.server.BaseHTTPRequestHandler):
+    """A tracking server's stand-in: answers the search for experiments with `status`."""
+
+    status = 200
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = b'{"experiments": []}' if self.status == 200 else b'{"error_code": "PERMISSION_DENIED"}'
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers) as httpd:
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+        httpd.shutdown()
+
+
+def test_a_tracking_server_that_answers_is_used_and_one_that_refuses_is_named(server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    started = time.monotonic()
+    assert configure_tracking() == server
+    assert time.monotonic() - started < 5  # one request, answered at once
+    monkeypatch.setattr(Answers, "status", 403)
+    refused = f"{server}/"  # another URI for the same server: the first answer was kept for the first
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", refused)
+    with pytest.raises(TrackingStoreError) as error:
+        configure_tracking()
+    assert str(error.value).startswith(
+        f"the MLflow tracking server at {refused} (MLFLOW_TRACKING_URI) refused"
+    )
+    assert "PERMISSION_DENIED" in str(error.value) and error.value.unavailable

@@ -213,6 +213,16 @@ def test_a_learning_rate_that_is_not_a_finite_positive_number_is_refused_with_it
         ("experiment=", "experiment = null, expected a name"),
         ("experiment=[1]", "experiment = [1] (a list), expected a name"),
         ("registered_model=' '", "registered_model = ' ', expected a name"),
+        # MLflow's registry refused these only when it registered the model, after the training.
+        (
+            "registered_model=bad/name",
+            "registered_model = 'bad/name': Invalid model name 'bad/name'. Names cannot",
+        ),
+        ('registered_model="it\'s"', "registered_model = \"it's\": a registered model's name holds no quote"),
+        (
+            "experiment=" + "x" * 501,
+            "experiment = '" + "x" * 501 + "': 'name' exceeds the maximum length of 500",
+        ),
         ("progress_bar=maybe", "progress_bar = 'maybe', expected true or false"),
         ("accelerator=tpu", "accelerator = 'tpu', expected one of ('cpu', 'gpu', 'cuda')"),
         ("precision=8-bit", "precision = '8-bit', expected one of ("),
@@ -269,7 +279,9 @@ def test_gpus_asked_for_that_the_machine_lacks_are_named_before_the_data_is_read
         train(cfg)
 
 
-@pytest.mark.parametrize("setting", ["model_config.nope=3", "experiment=[1]", "accelerator=tpu"])
+@pytest.mark.parametrize(
+    "setting", ["model_config.nope=3", "experiment=[1]", "accelerator=tpu", "registered_model=bad/name"]
+)
 def test_the_command_line_refuses_a_bad_setting_in_one_line_with_exit_code_2(setting, tmp_path, capsys):
     assert main(["train", "--data", str(tmp_path), "--set", setting]) == 2
     err = capsys.readouterr().err
