@@ -148,15 +148,16 @@ class FeedReader:
 
     def start_from_table(
         self, featurizer: StreamingFeaturizer, reader: Reader, table_topic: str, *, row_limit: int | None
-    ) -> None:
+    ) -> list[str]:
         """Replace the featurizer's terminal state with the table's (consumers/terminals/table.read_table) and
         go to the positions it reflects. What comes after them is still to be read. `row_limit`: where the
-        new table's records stop doubling (TerminalEviction.row_limit of its holder; None: no cap)."""
-        featurizer.terminals, positions = read_table(
-            reader, table_topic, self.labels_topic, self.deltas_topic, self.timeout_s
-        )
+        new table's records stop doubling (TerminalEviction.row_limit of its holder; None: no cap). Returns
+        the keys of the table's records left out (TableRead.left_out)."""
+        table = read_table(reader, table_topic, self.labels_topic, self.deltas_topic, self.timeout_s)
+        featurizer.terminals = table.terminals
         featurizer.terminals.row_limit = row_limit
-        self.seek(positions)
+        self.seek(table.positions)
+        return table.left_out
 
     def _partitions(self, topic: str) -> list[TopicPartition]:
         partitions = self.consumer.partitions_for_topic(topic)

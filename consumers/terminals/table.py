@@ -30,6 +30,7 @@ import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -185,7 +186,7 @@ def _report_garbage(topic: str, garbage: list[tuple[str, MessageError]]) -> None
         )  # fmt: skip
 
 
-def _let_corrupt_records_go(topic: str, table: StateTable) -> None:
+def _let_corrupt_records_go(topic: str, table: StateTable) -> list[str]:
     """Leave out the terminal records that no events and labels give (a day past the stream's range, a
     negative count: pipeline/features/state.py's record_faults), naming the first at ERROR: restored, one
     would read as garbage ever after, and a day past the range spills into the windows of the other
@@ -203,11 +204,20 @@ def _let_corrupt_records_go(topic: str, table: StateTable) -> None:
         )  # fmt: skip
         for i in bad:
             table.evict(keys[i])
+    return [keys[i] for i in bad]
+
+
+class TableRead(NamedTuple):
+    terminals: StateTable
+    positions: Positions
+    # Keys of the records read and not held (not terminal records, corrupt, or all of them when the positions
+    # record is not one): the writer deletes them, so that every later reader holds what the earlier ones do.
+    left_out: list[str]
 
 
 def read_table(
     reader: Reader, topic: str, labels_topic: str, deltas_topic: str, timeout_s: float
-) -> tuple[StateTable, Positions]:
+) -> TableRead:
     """The table's terminal records and positions, as one flush left them.
 
     Read up to the high watermark (consumers/runtime/compacted.py), and on until the last record read is a
@@ -228,8 +238,12 @@ def read_table(
     except MessageError as error:
         # Without its positions the records cannot be joined to the deltas and labels after them: read as
         # no table, every terminal's counts are rebuilt from the deltas and labels the topics still hold.
-        log.error("terminal table read as empty: topic=%s %s", topic, error)
-        positions, latest = Positions(), {}
+        log.error(
+            "terminal table read as empty: topic=%s %s. Terminal counts older than the deltas' retention "
+            "(terminal_deltas_retention_ms) are lost", topic, error,
+        )  # fmt: skip
+        left_out = [key for key, value in latest.items() if value is not None]
+        return TableRead(StateTable(TERMINAL_STATE), Positions(), left_out)
     # Records for what was read and no more: doubling up to it could leave nearly as many again unused.
     table = StateTable(TERMINAL_STATE, capacity=max(1024, len(latest)))
     garbage: list[tuple[str, MessageError]] = []
@@ -241,9 +255,9 @@ def read_table(
         except MessageError as error:
             garbage.append((key, error))
     _report_garbage(topic, garbage)
-    _let_corrupt_records_go(topic, table)
+    corrupt = _let_corrupt_records_go(topic, table)
     log.info(
         "terminal table read topic=%s records=%d terminals=%d positions=%s seconds=%.3f",
         topic, read, len(table), positions, time.monotonic() - started,
     )  # fmt: skip
-    return table, positions
+    return TableRead(table, positions, [key for key, _ in garbage] + corrupt)

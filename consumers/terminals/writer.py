@@ -150,13 +150,15 @@ class TerminalTableWriter:
                 lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records), **security,
             )  # fmt: skip
             featurizer = StreamingFeaturizer()
-            feed.start_from_table(
+            left_out = feed.start_from_table(
                 featurizer, reader, cfg.topic("terminal_table"), row_limit=self.eviction.row_limit
             )
             self.probes.done("table")
             flushed_at = feed.positions()
             changed: set[str] = set()
-            capped = self._cap(featurizer, set())  # let go beyond the cap since the last flush
+            # Let go beyond the cap since the last flush, and the records the table read left out: deleted by
+            # the next flush, unless held again by then (their deltas folded anew), so every reader agrees.
+            capped = self._cap(featurizer, set(left_out))
             bad: list = []
             last_flush = time.monotonic()
             stopping = stop.is_set()

@@ -173,9 +173,9 @@ def serve_stream(bootstrap, cfg, model, stream: list[Entry], label_stream: list[
     changelog = read_committed(bootstrap, cfg.topic("changelog"))
     reader = Reader.connect(bootstrap, "hostile-test-table")
     try:
-        table, _ = read_table(
+        table = read_table(
             reader, cfg.topic("terminal_table"), cfg.topic("labels"), cfg.topic("terminal_deltas"), 30
-        )
+        ).terminals
     finally:
         reader.close()
     return Outcome(

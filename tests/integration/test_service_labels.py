@@ -36,7 +36,7 @@ from consumers.scoring.messages import (
 from consumers.scoring.scorer import Scorer
 from consumers.terminals.deltas import decode_deltas
 from consumers.terminals.feed import label_batch
-from consumers.terminals.table import pack_header, read_table
+from consumers.terminals.table import POSITIONS_KEY, encode_terminal, pack_header, read_table
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, replay_batches
@@ -156,7 +156,7 @@ def test_labels_change_terminal_features_like_replay(kafka_bootstrap, service_cf
     moved = max(abs(with_reports[t.event_id] - without[t.event_id]) for t in events[split:])
     assert moved > 1e-4, "the labels did not change any score: the test would not see them ignored"
     # The writer drained and flushed when the service stopped: the table holds every label and event.
-    terminals, positions = table_of(kafka_bootstrap, cfg)
+    terminals, positions, _ = table_of(kafka_bootstrap, cfg)
     assert positions.labels == {0: len(labels)}
     reference = StreamingFeaturizer()
     for batch, batch_labels in replay_batches(labelled, 500):
@@ -195,6 +195,33 @@ def test_a_restarted_service_restores_the_terminal_table_and_label_positions(
     assert stats.events_scored == len(events) - done
     # An uninterrupted run, terminal features included.
     assert_scores_equal(by_event, replay_scores(model_dir, labelled))
+
+
+def test_a_table_whose_positions_record_is_garbage_is_rebuilt_from_the_deltas_and_what_it_held_deleted(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    """Anyone who can write the table topic can break its positions record: the next start reads the table
+    as empty and folds every delta and label the topics hold, scoring as if nothing had happened, and the
+    writer's first flush deletes the records it left out (here a made-up terminal's), so that every reader
+    after it holds what the running ones do."""
+    cfg = service_cfg(max_poll_records=10)
+    events = transactions_from_frame(frame)
+    messages = [(t.account_id, encode_transaction(t)) for t in events]
+    create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
+    split = len(events) // 2
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[:split])
+    serve_until(cfg, model_dir, kafka_bootstrap, split)
+    terminals, _, _ = table_of(kafka_bootstrap, cfg)
+    sound = encode_terminal(terminals.get_bytes(next(iter(terminals))))
+    produce(kafka_bootstrap, cfg.topic("terminal_table"), [("ghost", sound), (POSITIONS_KEY, b"{not json")])
+    produce(kafka_bootstrap, cfg.topic("transactions"), messages[split:])
+
+    scores, _ = serve_until(cfg, model_dir, kafka_bootstrap, len(events))
+
+    assert_scores_equal(assert_exactly_once(scores, events), replay_scores(model_dir, frame))
+    terminals, positions, left_out = table_of(kafka_bootstrap, cfg)
+    assert "ghost" not in terminals and left_out == [] and positions.deltas
+    assert set(terminals) == {t.terminal_id for t in events}
 
 
 def test_bad_labels_and_delta_records_go_to_dead_letter_and_good_ones_apply(
@@ -262,7 +289,7 @@ def test_an_external_table_writer_keeps_the_table_when_no_instance_runs_one(
     assert code == 0, f"terminal-writer exited {code} on SIGTERM:\n{log_path.read_text()[-3000:]}"
 
     assert serve_stats.terminal_table_flushes == 0, "an instance ran the writer although it is external"
-    terminals, positions = table_of(kafka_bootstrap, cfg)
+    terminals, positions, _ = table_of(kafka_bootstrap, cfg)
     reference = StreamingFeaturizer()
     for batch, _ in replay_batches(frame, 500):  # no labels were streamed
         reference.transform(batch)
@@ -327,7 +354,7 @@ def test_a_flood_of_new_terminal_ids_keeps_every_holder_within_the_cap_and_every
     assert all(math.isfinite(s["score"]) for s in scores) and stats.dead_lettered == 0
     assert max(held) <= cap and min(held[1:]) >= math.ceil(0.9 * cap), held
     assert 0 < capped <= stats.terminals_capped and stats.terminals_capped >= len(early + flood) - cap
-    terminals, _ = table_of(kafka_bootstrap, cfg)
+    terminals, _, _ = table_of(kafka_bootstrap, cfg)
     assert 0 < len(terminals) <= cap and not any(t.startswith("early-") for t in terminals)
     tombstones = {
         r.key.decode()
@@ -420,7 +447,7 @@ def test_two_instances_count_every_event_at_its_terminal(kafka_bootstrap, servic
             np.array([t.amount for t in first]),
         )
     )
-    table, positions = table_of(kafka_bootstrap, cfg)
+    table, positions, _ = table_of(kafka_bootstrap, cfg)
     restored = StreamingFeaturizer()
     restored.terminals = table
     deltas = [

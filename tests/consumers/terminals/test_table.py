@@ -63,11 +63,12 @@ def test_a_table_record_no_events_give_is_left_out_naming_the_terminal(
         "t2": terminal_table.encode_terminal(broken.tobytes()),
     }
     monkeypatch.setattr(terminal_table, "read_latest", lambda *args, **kwargs: (dict(latest), 2))
-    table, _ = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)  # stops nothing
+    table, _, left_out = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)  # stops nothing
     assert "t2" not in table and table.get_bytes("t1") == source.terminals.get_bytes("t1")
+    assert left_out == ["t2"]  # the writer's next flush deletes it
     assert re.search(rf"terminals=1 first='t2': {reason}.* no events or labels give", caplog.text)
     latest["t2"] = terminal_table.encode_terminal(source.terminals.get_bytes("t2"))
-    table, _ = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
+    table = terminal_table.read_table(None, "table", "labels", "deltas", 1.0).terminals
     assert table.get_bytes("t2") == source.terminals.get_bytes("t2")
 
 
@@ -79,9 +80,9 @@ def test_a_table_record_that_is_not_one_is_left_out_and_stops_nothing(monkeypatc
     for bad in (b"nope", b"", good[:-1], good + b"x"):
         latest = {"t1": good, "t2": bad, POSITIONS_KEY: positions}
         monkeypatch.setattr(terminal_table, "read_latest", lambda *args, latest=latest, **kwargs: (latest, 3))
-        table, read_positions = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
+        table, read_positions, left_out = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
         assert "t2" not in table and table.get_bytes("t1") == source.terminals.get_bytes("t1")
-        assert read_positions == Positions(labels={0: 4})
+        assert read_positions == Positions(labels={0: 4}) and left_out == ["t2"]
         assert re.search(r"terminals=1 first: terminal table record of 't2'", caplog.text)
 
 
@@ -108,8 +109,8 @@ def test_a_positions_record_that_is_not_one_reads_as_no_table(monkeypatch, caplo
         POSITIONS_KEY: positions,
     }
     monkeypatch.setattr(terminal_table, "read_latest", lambda *args, **kwargs: (dict(latest), 2))
-    table, read_positions = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
-    assert len(table) == 0 and read_positions == Positions()
+    table, read_positions, left_out = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
+    assert len(table) == 0 and read_positions == Positions() and left_out == ["t1"]
     assert "terminal table read as empty: topic=table the terminal table's positions record is not one" in (
         caplog.text
     )
@@ -118,7 +119,7 @@ def test_a_positions_record_that_is_not_one_reads_as_no_table(monkeypatch, caplo
 def test_an_empty_table_is_read_as_empty(monkeypatch):
     # A new deployment's table: nothing to check, nothing refused (a check of zero records must not fail).
     monkeypatch.setattr(terminal_table, "read_latest", lambda *args, **kwargs: ({}, 0))
-    table, _ = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)
+    table = terminal_table.read_table(None, "table", "labels", "deltas", 1.0).terminals
     assert len(table) == 0
 
 
