@@ -101,6 +101,7 @@ def add_live_compare_flags(p: argparse.ArgumentParser) -> None:
 def run_live_compare(args: argparse.Namespace) -> int:
     cfg, _ = serve_config(args)
     from pipeline.evaluation.live_compare import LiveCompareConfig, format_table, live_compare
+    from pipeline.registry.tracking import configure_tracking
 
     since = args.since.strip()
     units = {"d": 1.0, "h": 1 / 24}
@@ -109,6 +110,8 @@ def run_live_compare(args: argparse.Namespace) -> int:
     except (KeyError, ValueError):
         raise ValueError(f"--since {since!r}: expected a number of days or hours, e.g. 7d or 12h") from None
     config = LiveCompareConfig(since_days=days, k=args.k, log_to_mlflow=not args.no_mlflow)
+    if config.log_to_mlflow:  # a store it cannot log to is refused before the topics are read
+        configure_tracking()
     with kafka_errors(cfg):
         table = live_compare(cfg, cfg.bootstrap_servers, config)
     print(format_table(table))

@@ -327,9 +327,10 @@ def test_a_tracking_store_that_cannot_be_used_is_named_in_one_line(kind, tmp_pat
         ["backtest", "--data", "{never}", "--model", "{model}"],
         ["backtest", "--data", "{never}", "--model", "models:/txsentinel@champion", "--no-mlflow"],
         ["compare"],
+        ["compare", "--live", "--bootstrap-servers", "127.0.0.1:1"],  # nothing listens: it must not ask
         ["serve", "--model", "models:/txsentinel@champion"],
     ],
-    ids=["train", "train baseline", "backtest", "backtest registered", "compare", "serve"],
+    ids=["train", "train baseline", "backtest", "backtest registered", "compare", "compare live", "serve"],
 )
 def test_every_command_that_uses_the_tracking_store_refuses_a_bad_one_before_reading_data(
     argv, tiny_model, tmp_path, monkeypatch, capsys
