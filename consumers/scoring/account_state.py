@@ -146,11 +146,12 @@ def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
     """Parse a record written by AccountRecord.to_bytes, checking its format and feature versions.
 
     Whether the detector part belongs to this model is checked by the scorer, which holds the model.
-    Raises ValueError naming the account, what does not match and what to do.
+    Raises ValueError naming the account, what does not match and what to do; CorruptRecordError (a
+    ValueError) for bytes that are no account state at all.
     """
-    where = f"account state record of {account_id!r}"
-    if len(data) < _HEADER_V1.size or not data.startswith(MAGIC):
-        raise ValueError(
+    where = f"account state record of {account_id[:100]!r}"
+    if len(data) < _HEADER_V1.size or not data.startswith(MAGIC):  # garbage: anyone can write the topic
+        raise CorruptRecordError(
             f"{where}: not a txsentinel account state (starts with {bytes(data[:4])!r}, expected {MAGIC!r}, "
             f"{len(data)} bytes)"
         )

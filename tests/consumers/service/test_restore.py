@@ -315,3 +315,18 @@ def test_a_corrupt_record_is_left_out_naming_the_account_and_its_account_starts_
     assert sorted(target.accounts_in_memory) == sorted(set(accounts) - {accounts[3]})
     sound = accounts[:3] + accounts[4:]
     assert target.account_states_bytes(sound) == values[:3] + values[4:]
+
+
+@pytest.mark.parametrize("garbage", [b'{"event_id": "e1", "amount": 5}', b"TXS", b""])
+def test_a_changelog_value_that_is_no_state_record_is_left_out_and_stops_nothing(frame, garbage):
+    # A transaction produced to the changelog by mistake: no state of any model, so nothing to deploy anew.
+    txs = transactions_from_frame(frame.head(300))
+    source = Scorer(loaded("lstm", frame))
+    source.score(txs)
+    accounts = sorted(source.accounts_in_memory)
+    values = source.account_states_bytes(accounts)
+    values[1] = garbage
+    target = Scorer(loaded("lstm", frame))
+    (left_out,) = target.restore_accounts(accounts, values)
+    assert left_out[0] == accounts[1] and "not a txsentinel account state" in left_out[1]
+    assert sorted(target.accounts_in_memory) == sorted(set(accounts) - {accounts[1]})
