@@ -246,3 +246,21 @@ def test_a_training_window_of_fraud_only_is_refused_as_such(tmp_path):
         ValueError, match=r"labelled events is fraud: nothing to tell it from; are the labels"
     ):
         train(cfg)
+
+
+@pytest.mark.parametrize("model", ["lstm", "logreg"])
+def test_a_dataset_edited_after_it_was_made_is_refused_before_training(model, tmp_path):
+    # A negative amount written into the Parquet file by hand: features and training took it as a purchase.
+    generated = tmp_path / "generated"
+    run_generate(GenerateConfig(accounts=30, days=4, seed=0), generated)
+    edited = read_dataset(generated).with_columns(
+        pl.when(pl.col("event_id") == "E000000003").then(-50.0).otherwise("amount").alias("amount")
+    )
+    edited.write_parquet(generated / "transactions.parquet")
+    cfg = load_train_config(generated, None, ["max_epochs=1"], model=model)
+    with pytest.raises(
+        ValueError,
+        match=r"transactions.parquet: negative amount \(column amount\): 1 row, the first row 4 "
+        r"\(event_id 'E000000003'\).* re-run `txsentinel ingest`",
+    ):
+        train(cfg)
