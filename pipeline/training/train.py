@@ -69,12 +69,38 @@ def _pos_weight(seqs: AccountSequences, window: Window, given: float | None) -> 
     return math.sqrt(legit / frauds)
 
 
-def _trainer(cfg: TrainConfig) -> pl_lightning.Trainer:
-    """A Trainer that knows its global rank; rank 0 gives it the logger and the checkpoint directory."""
+def _trainer(cfg: TrainConfig, validated: bool = True) -> pl_lightning.Trainer:
+    """A Trainer that knows its global rank; rank 0 gives it the logger and the checkpoint directory.
+    `validated`: the validation AP picks the best epoch and stops early; otherwise (it is undefined) every
+    epoch trains and the last one is kept."""
     # No dirpath yet: rank 0 sets it once its run exists, and Lightning hands it to the other ranks.
+    if not validated:
+        return _lightning_trainer(cfg, cfg.max_epochs, callbacks=[ModelCheckpoint(save_top_k=1)])
     checkpoint = ModelCheckpoint(monitor="val/ap", mode="max", save_top_k=1)
     early_stopping = EarlyStopping("val/ap", mode="max", patience=cfg.early_stopping_patience)
     return _lightning_trainer(cfg, cfg.max_epochs, callbacks=[early_stopping, checkpoint])
+
+
+def _validation_picks_epochs(
+    seqs: AccountSequences, window: Window, validation: Period, cfg: TrainConfig
+) -> bool:
+    """Whether the validation window's known labels hold both fraud and legit events, so that its AP is defined
+    and can pick the best epoch; if not, a warning says so, naming the window and the settings that move it."""
+    counted = (seqs.ts_us >= window.start_us) & (seqs.ts_us < window.end_us)
+    frauds = int(seqs.target[counted].sum())
+    if 0 < frauds < int(counted.sum()):
+        return True
+    held = "no known fraud" if frauds == 0 else "only fraud"
+    log.warning(
+        "the validation period %s (the last validation_days = %d of training) holds %s, so its AP is "
+        "undefined: early stopping is off, all max_epochs = %d train and the last is kept. To validate on "
+        "fraud, widen or move the period (--set validation_days=N, --train-period)",
+        validation,
+        cfg.validation_days,
+        held,
+        cfg.max_epochs,
+    )
+    return False
 
 
 def _pretrainer(cfg: TrainConfig) -> pl_lightning.Trainer:
@@ -185,7 +211,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         num_events={"val": len(train_seqs.x), "test": len(test_seqs.x)},
     )
 
-    trainer = _trainer(cfg)
+    trainer = _trainer(cfg, _validation_picks_epochs(train_seqs, windows["validation"], validation, cfg))
     with _rank_zero_run(trainer, cfg, model_config.to_dict(), split, validation) as run_id:
         if cfg.pretrain_epochs:
             module.detector = _pretrained(
