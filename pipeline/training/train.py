@@ -28,12 +28,13 @@ from models.registry import REGISTRY, build_detector, config_class
 from pipeline.data.dataset import require_labels
 from pipeline.data.splits import Period, Split
 from pipeline.evaluation.plots import log_evaluation
+from pipeline.evaluation.protocol import no_fraud_to_test, undefined_note
 from pipeline.features.drift_reference import fit_reference
 from pipeline.registry.artifact import save_model_dir
 from pipeline.registry.pyfunc_model import log_and_register
 from pipeline.registry.tracking import configure_tracking, log_params
 from pipeline.training.baselines import BASELINES, train_baseline
-from pipeline.training.config import TrainConfig, TrainResult, flatten
+from pipeline.training.config import TEST_PERIOD_SETTINGS, TrainConfig, TrainResult, flatten
 from pipeline.training.datamodule import HistoryDataModule, Window
 from pipeline.training.diagnostics import (
     parity_metrics,
@@ -181,6 +182,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     pl_lightning.seed_everything(cfg.seed, workers=True, verbose=False)
     ready = prepare(cfg)
     split, validation, spec = ready.split, ready.validation, ready.spec
+    if warning := no_fraud_to_test(ready.frame, split.test, TEST_PERIOD_SETTINGS):
+        log.warning(warning)
     train_seqs, test_seqs, windows = ready.train_seqs, ready.test_seqs, ready.windows
     data = HistoryDataModule(
         train=(train_seqs, windows["train"]),
@@ -267,7 +270,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             model_uri, version = log_and_register(model_dir, cfg.registered_model)
     print(
         f"trained {cfg.model}: run {run_id}, {cfg.registered_model} v{version}, "
-        f"test AUC {metrics.auc:.3f} AP {metrics.ap:.3f} CP@{cfg.cp_k} {metrics.cp_at_k:.3f}, "
+        f"test AUC {metrics.auc:.3f} AP {metrics.ap:.3f}{undefined_note(metrics, split.test)} "
+        f"CP@{cfg.cp_k} {metrics.cp_at_k:.3f}, "
         f"parallel-vs-recurrent {results['test/parallel_vs_recurrent_max_abs']:.1e}{_split_flips(results)}, "
         f"alert threshold {threshold.value:.3f} ({threshold.validation_alerts_per_day:.0f}/day on validation), "
         f"{train_seconds:.0f} s"

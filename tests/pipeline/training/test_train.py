@@ -300,3 +300,26 @@ def test_a_validation_period_without_fraud_trains_every_epoch_and_says_why(tmp_p
         and "--set validation_days=N" in w
         for w in warned
     ), warned
+
+
+@pytest.mark.parametrize("model", ["lstm", "logreg"])
+def test_a_test_period_without_fraud_says_so_before_training_and_beside_its_nan(
+    model, tmp_path, monkeypatch, caplog, capsys
+):
+    # It printed "AP nan" and no more.
+    data, settings, test = _without_fraud_in(tmp_path, "test")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    result = train(load_train_config(data, None, settings, model=model, out_dir=tmp_path / "runs"))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        w.startswith(f"the test period {test} has no fraud labels (is_fraud) among its ")
+        and "move the test period (--test-period, --set test_days=N)" in w
+        for w in warned
+    ), warned
+    printed = capsys.readouterr().out
+    assert (
+        f"AP nan (the test period {test} has no fraud labels (is_fraud) among its scored events: AUC and AP "
+        "are undefined (NaN), and not logged)" in printed
+    )
+    assert not {"test/auc", "test/ap"} & set(mlflow.get_run(result.run_id).data.metrics)
