@@ -19,14 +19,11 @@ from pipeline.data.dataset import QUARANTINE_FILE, write_dataset
 from pipeline.data.ids import id_problem
 from pipeline.data.mapping import Mapping, MappingError, SourceError, load_mapping
 from pipeline.data.rules import ID_EXPECTED, TIMESTAMP_COLUMNS, Rule, value_rules
-from pipeline.data.schema import TRANSACTION_SCHEMA, TS_RANGE
+from pipeline.data.schema import MAX_LABEL_DELAY_DAYS, TRANSACTION_SCHEMA, TS_RANGE
 from pipeline.data.source_text import cut, cut_column, data_lines, listed, not_utf8, unreadable
 
 ON_INVALID = ("fail", "quarantine")
 EXAMPLES_PER_PROBLEM = 3
-# Chargeback windows run to about 540 days; ten years is past any of them, and keeps ts + delay a time that
-# polars and Python both hold for every ts a dataset may have.
-MAX_LABEL_DELAY_DAYS = 3650
 ROW = "__txs_row"  # 0-based data row, from the scan's row index
 DUP_OF = "__txs_dup_of"  # ROW of the row whose event_id this one repeats (see _flag_duplicates)
 DUP_OF_VALID = "__txs_dup_of_valid"  # whether that row is otherwise valid, so the one kept
