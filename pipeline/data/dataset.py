@@ -19,14 +19,12 @@ from typing import Any
 import polars as pl
 
 from pipeline.data.output_paths import unwritable
+from pipeline.data.rules import broken_rules, dataset_rules
 from pipeline.data.schema import (
-    EARLIEST_TS,
     EVENT_ORDER,
-    LATEST_TS,
     REQUIRED_COLUMNS,
     SCHEMA_VERSION,
     TRANSACTION_SCHEMA,
-    TS_RANGE,
     conform,
 )
 
@@ -79,7 +77,7 @@ def write_dataset(
     out = Path(out_dir).absolute()
     check_output_dir(out)
     frame = conform(frame).sort(EVENT_ORDER)
-    _check_ts_range(frame)
+    _check_rows(frame, f"the transactions for {out}", "nothing was written")
     summary = summarize(frame)
     metadata = {
         "schema_version": SCHEMA_VERSION,
@@ -107,15 +105,13 @@ def write_dataset(
     return summary
 
 
-def _check_ts_range(frame: pl.DataFrame) -> None:
-    outside = frame.filter((pl.col("ts") < EARLIEST_TS) | (pl.col("ts") >= LATEST_TS))
-    if not outside.is_empty():
-        # As text from polars: a year past 9999 does not fit a Python datetime.
-        first = outside.select("event_id", pl.col("ts").dt.to_string("%Y-%m-%dT%H:%M:%S")).row(0)
-        raise ValueError(
-            f"{outside.height} transactions have a ts outside {TS_RANGE}, the first event_id {first[0]!r} "
-            f"at {first[1]}; nothing was written"
-        )
+def _check_rows(frame: pl.DataFrame, where: str, remedy: str) -> None:
+    """Refuse a frame whose rows break a rule of pipeline/data/rules.py, naming each rule broken, how many rows
+    and the first; `where` names the frame, `remedy` says what to do."""
+    broken = broken_rules(frame, dataset_rules(frame.columns))
+    if broken:
+        said = "; ".join(b.describe() for b in broken)
+        raise ValueError(f"{where}: {said} (the rules in pipeline/data/rules.py); {remedy}")
 
 
 def check_output_dir(out_dir: str | Path) -> None:
@@ -175,6 +171,10 @@ def _require_dataset(data_dir: str | Path) -> Path:
 
 
 _REMAKE = "the dataset is damaged: make it again with `txsentinel generate` or `txsentinel ingest`"
+_EDITED = (
+    "the dataset was changed after it was made: re-run `txsentinel ingest` on its source (or "
+    "`txsentinel generate`) to make it again, with every row checked"
+)
 
 
 def read_metadata(data_dir: str | Path) -> dict[str, Any]:
@@ -207,6 +207,7 @@ def scan_dataset(data_dir: str | Path) -> pl.LazyFrame:
         raise ValueError(f"{transactions}: not a readable Parquet file ({error}); {_REMAKE}") from None
     problems = [_column_problem(name, dtype) for name, dtype in schema.items()]
     problems += [f"column {name} is missing" for name in REQUIRED_COLUMNS if name not in schema]
+    problems += [_label_problem(schema)]
     if any(problems):
         said = "; ".join(p for p in problems if p)
         raise ValueError(f"{transactions}: {said}, by the schema in pipeline/data/schema.py; {_REMAKE}")
@@ -214,13 +215,19 @@ def scan_dataset(data_dir: str | Path) -> pl.LazyFrame:
 
 
 def read_dataset(data_dir: str | Path) -> pl.DataFrame:
+    """A dataset's transactions, after checking that its files read, its columns have the canonical types and
+    its rows keep the rules ingest holds rows to (pipeline/data/rules.py): a file edited after it was made is
+    refused, naming the rule, the rows and the first of them, before anything learns from it."""
+    transactions = Path(data_dir) / TRANSACTIONS_FILE
     lazy = scan_dataset(data_dir)
     try:
-        return lazy.collect()
+        frame = lazy.collect()
     except pl.exceptions.ComputeError as error:  # a footer that reads over damaged data
         raise ValueError(
-            f"{Path(data_dir) / TRANSACTIONS_FILE}: cannot be read ({str(error).splitlines()[0]}); {_REMAKE}"
+            f"{transactions}: cannot be read ({str(error).splitlines()[0]}); {_REMAKE}"
         ) from None
+    _check_rows(frame, str(transactions), _EDITED)
+    return frame
 
 
 def _column_problem(name: str, dtype: pl.DataType) -> str:
@@ -231,6 +238,14 @@ def _column_problem(name: str, dtype: pl.DataType) -> str:
         if dtype == TRANSACTION_SCHEMA[name]
         else f"column {name} is {dtype}, expected {TRANSACTION_SCHEMA[name]}"
     )
+
+
+def _label_problem(schema: pl.Schema) -> str:
+    # Labels come with the time each became known (ingest defaults it), or not at all: training reads both.
+    if ("is_fraud" in schema) == ("label_ts" in schema):
+        return ""
+    there, missing = ("is_fraud", "label_ts") if "is_fraud" in schema else ("label_ts", "is_fraud")
+    return f"column {missing} is missing, which {there} comes with"
 
 
 def require_labels(data_dir: str | Path, needed_for: str) -> None:

@@ -25,7 +25,16 @@ import polars as pl
 from pipeline.data import scenarios as sc
 from pipeline.data.scenarios import Events
 from pipeline.data.schema import TIMESTAMP
-from pipeline.data.world import DAY_US, GRID_SIZE, US_PER_SECOND, GenerateConfig, World
+from pipeline.data.world import (
+    DAY_US,
+    GRID_SIZE,
+    TX_PER_DAY_MAX,
+    US_PER_SECOND,
+    GenerateConfig,
+    World,
+    memory_bytes,
+    size_problem,
+)
 
 # Index = the code in pipeline.data.scenarios; order = precedence (see the module docstring).
 SCENARIOS: tuple[str, ...] = (
@@ -53,7 +62,7 @@ def build_world(cfg: GenerateConfig) -> World:
     A, D = cfg.accounts, cfg.days
     account_xy = rng.uniform(0, GRID_SIZE, size=(A, 2))
     mean_amount = rng.uniform(5, 100, size=A)
-    tx_per_day = rng.uniform(0, 4, size=A)
+    tx_per_day = rng.uniform(0, TX_PER_DAY_MAX, size=A)
     terminal_xy = rng.uniform(0, GRID_SIZE, size=(cfg.n_terminals, 2))
 
     drift = rng.random(A) < cfg.drift_account_fraction
@@ -150,7 +159,10 @@ def generate(cfg: GenerateConfig) -> pl.DataFrame:
     """Synthetic transactions in canonical columns (no optional ones), with is_fraud, label_ts and scenario.
 
     Sorted by (ts, event_id); event_id numbers the events in that order, so it is stable for a seed.
+    Settings that would not fit in this machine's memory are refused first, with the estimate.
     """
+    if problem := size_problem(cfg, memory_bytes()):
+        raise ValueError(f"invalid GenerateConfig: {problem}")
     rngs = _rngs(cfg)
     world = build_world(cfg)
     # Takeover and card testing strike accounts that transact at all (some terminal in reach from home).

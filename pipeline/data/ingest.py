@@ -16,17 +16,14 @@ from pathlib import Path
 import polars as pl
 
 from pipeline.data.dataset import QUARANTINE_FILE, write_dataset
-from pipeline.data.ids import MAX_ID_CHARS, id_problem
+from pipeline.data.ids import id_problem
 from pipeline.data.mapping import Mapping, MappingError, SourceError, load_mapping
-from pipeline.data.schema import EARLIEST_TS, LATEST_TS, OPTIONAL_COLUMNS, TRANSACTION_SCHEMA, TS_RANGE
+from pipeline.data.rules import ID_EXPECTED, TIMESTAMP_COLUMNS, Rule, value_rules
+from pipeline.data.schema import MAX_LABEL_DELAY_DAYS, TRANSACTION_SCHEMA, TS_RANGE
 from pipeline.data.source_text import cut, cut_column, data_lines, listed, not_utf8, unreadable
 
 ON_INVALID = ("fail", "quarantine")
 EXAMPLES_PER_PROBLEM = 3
-ID_COLUMNS = ("event_id", "account_id", "terminal_id")
-# Chargeback windows run to about 540 days; ten years is past any of them, and keeps ts + delay a time that
-# polars and Python both hold for every ts a dataset may have.
-MAX_LABEL_DELAY_DAYS = 3650
 ROW = "__txs_row"  # 0-based data row, from the scan's row index
 DUP_OF = "__txs_dup_of"  # ROW of the row whose event_id this one repeats (see _flag_duplicates)
 DUP_OF_VALID = "__txs_dup_of_valid"  # whether that row is otherwise valid, so the one kept
@@ -108,7 +105,7 @@ class _Check:
 def ingest(cfg: IngestConfig) -> IngestReport:
     """Read cfg.input through cfg.mapping and write a dataset to cfg.out; raise IngestError on bad input."""
     src = _Input.open(Path(cfg.input), load_mapping(cfg.mapping))
-    checks = _checks(src)
+    checks = _checks(src, cfg.label_delay_days)
     frame = _flag_duplicates(src.read(lambda: _parse(src, checks, cfg.label_delay_days)), checks)  # pass 1
     flags = [c.flag for c in checks]
     bad = pl.any_horizontal(flags)
@@ -158,6 +155,14 @@ class _Input:
     @property
     def name(self) -> str:
         return str(self.path)
+
+    @property
+    def written(self) -> dict[str, str]:
+        """canonical -> source column, for every column ingest writes: the present ones, and label_ts when it
+        is ts + label_delay_days (its messages quote the ts)."""
+        if "is_fraud" in self.present and "label_ts" not in self.present:
+            return self.present | {"label_ts": self.present["ts"]}
+        return self.present
 
     @property
     def sources(self) -> list[str]:
@@ -279,55 +284,17 @@ def _flag_duplicates(frame: pl.DataFrame, checks: list[_Check]) -> pl.DataFrame:
     ).with_columns(pl.col(DUP_OF).is_not_null().alias(duplicate.flag))
 
 
-def _checks(src: _Input) -> list[_Check]:
+def _checks(src: _Input, label_delay_days: float) -> list[_Check]:
+    """The rules of pipeline/data/rules.py over the columns ingest writes, each with the words that explain a
+    failing row from its source text; then the duplicate check, which ingest makes its own way (it keeps one
+    row of each id)."""
     checks = []
-
-    def add(canonical: str, key: str, title: str, failed: pl.Expr | None, problem: pl.Expr) -> None:
-        flag = f"__bad_{canonical}_{key}"
-        checks.append(_Check(flag, title, canonical, src.present[canonical], failed, problem))
-
-    def empty(canonical: str) -> pl.Expr:
-        raw = pl.col(_raw(canonical))
-        return raw.is_null() | (raw.cast(pl.String).str.strip_chars() == "")
-
-    def empty_or(canonical: str, expected: str, otherwise: str) -> pl.Expr:
-        empty_text = pl.lit(f"is empty; expected {expected}")
-        return pl.when(empty(canonical)).then(empty_text).otherwise(pl.lit(otherwise))
-
-    for c in ID_COLUMNS:
-        add(c, "empty", "empty id", empty(c), pl.lit("is empty; expected a non-empty id"))
-    # The service reads category, channel and country by the id rule, an empty one aside (ids.py).
-    for c in (*ID_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in src.present)):
-        title = "id the service refuses" if c in ID_COLUMNS else "text the service refuses"
-        unfit = pl.col(c).map_batches(_unfit_ids, return_dtype=pl.Boolean)
-        problem = pl.col(_raw(c)).cast(pl.String).map_batches(_id_problems, return_dtype=pl.String)
-        add(c, "unfit", title, unfit, problem)
-    for c in ("ts", "label_ts"):
-        if c in src.present:
-            expected = src.mapping.timestamp(c).expected()
-            problem = empty_or(c, expected, f"is not a timestamp; expected {expected}")
-            add(c, "unparsable", "unparsable timestamp", pl.col(c).is_null(), problem)
-            outside = (pl.col(c) < EARLIEST_TS) | (pl.col(c) >= LATEST_TS)
-            problem = pl.lit(f"is outside {TS_RANGE} read as {expected}; expected a time in those years")
-            add(c, "out_of_range", "timestamp out of range", outside, problem)
-    finite = "expected a finite amount >= 0"
-    amount = pl.col("amount")
-    problem = empty_or("amount", "a number", f"is not a number; {finite}")
-    add("amount", "not_number", "amount not a number", amount.is_null(), problem)
-    add("amount", "not_finite", "amount not finite", ~amount.is_finite(), pl.lit(f"is not finite; {finite}"))
-    negative = amount.is_finite() & (amount < 0)
-    add("amount", "negative", "negative amount", negative, pl.lit(f"is negative; {finite}"))
-    if "is_fraud" in src.present:
-        expected = src.mapping.expected_label()
-        problem = empty_or("is_fraud", expected, f"is not a fraud label; expected {expected}")
-        add("is_fraud", "invalid", "invalid fraud label", pl.col("is_fraud").is_null(), problem)
-    if "label_ts" in src.present:
-        problem = pl.format(
-            'is before ts "{}" (column {}); expected label_ts >= ts',
-            cut_column(pl.col(_raw("ts")).cast(pl.String)),
-            pl.lit(src.present["ts"]),
-        )
-        add("label_ts", "before_ts", "label_ts before ts", pl.col("label_ts") < pl.col("ts"), problem)
+    for rule in value_rules(src.written):
+        if rule.column not in src.present and rule.key != "out_of_range":
+            continue  # label_ts = ts + label_delay_days: null only where ts is, never before it
+        title = _UNREAD.get(rule.column, rule.title) if rule.key == "missing" else rule.title
+        problem = _problem(src, rule, label_delay_days)
+        checks.append(_Check(rule.flag, title, rule.column, src.written[rule.column], rule.failed, problem))
     # Needs every row's event_id at once, so it is evaluated on the collected frame (failed=None).
     kept = pl.when(pl.col(DUP_OF_VALID)).then(pl.lit(", the first row with it and no other problem"))
     problem = pl.format(
@@ -335,23 +302,71 @@ def _checks(src: _Input) -> list[_Check]:
         src.location(pl.col(DUP_OF), pl.col(DUP_LINE)),
         kept.otherwise(pl.lit("")),
     )
-    add("event_id", "duplicate", "duplicate event_id", None, problem)
+    checks.append(
+        _Check(
+            "__bad_event_id_duplicate",
+            "duplicate event_id",
+            "event_id",
+            src.present["event_id"],
+            None,
+            problem,
+        )
+    )
     return checks
 
 
-def _unfit_ids(ids: pl.Series) -> pl.Series:
-    """[N] whether each id breaks pipeline/data/ids.py's rule, which the service's decoder applies."""
-    # Ids of printable ASCII within the length limit are fine: polars settles those, Python the rest. One
-    # character class and a byte count cost less than an anchored, counted pattern, and mean the same.
-    plain = ~ids.str.contains("[^ -~]") & (ids.str.len_bytes() <= MAX_ID_CHARS)
-    others = ids.filter(~plain).unique().drop_nulls()
-    return ids.is_in([value for value in others.to_list() if id_problem(value)])
+# A value the rules call missing (null) was, in a source file, empty or not readable as its column's kind.
+_UNREAD = {
+    "ts": "unparsable timestamp",
+    "label_ts": "unparsable timestamp",
+    "amount": "amount not a number",
+    "is_fraud": "invalid fraud label",
+}
+
+
+def _problem(src: _Input, rule: Rule, label_delay_days: float) -> pl.Expr:
+    """Pass 2's words for a row that breaks `rule`: what is wrong with its source text, what was expected."""
+    c, key = rule.column, rule.key
+    if key == "empty":
+        return pl.lit(f"is empty; expected {rule.expected}")
+    if key == "unfit":
+        return pl.col(_raw(c)).cast(pl.String).map_batches(_id_problems, return_dtype=pl.String)
+    if c not in src.present:  # label_ts = ts + label_delay_days, and the ts quoted
+        return pl.lit(
+            f"+ label_delay_days = {label_delay_days:g} (--label-delay-days) is outside {TS_RANGE}; expected a "
+            "ts whose label time is in those years"
+        )
+    if key == "before_ts":
+        return pl.format(
+            'is before ts "{}" (column {}); expected label_ts >= ts',
+            cut_column(pl.col(_raw("ts")).cast(pl.String)),
+            pl.lit(src.present["ts"]),
+        )
+    if c in TIMESTAMP_COLUMNS:
+        expected = src.mapping.timestamp(c).expected()
+        if key == "out_of_range":
+            return pl.lit(f"is outside {TS_RANGE} read as {expected}; expected a time in those years")
+        return _empty_or(c, expected, f"is not a timestamp; expected {expected}")
+    if c == "is_fraud":
+        expected = src.mapping.expected_label()
+        return _empty_or(c, expected, f"is not a fraud label; expected {expected}")
+    if key == "missing":  # the amount
+        return _empty_or(c, "a number", f"is not a number; expected {rule.expected}")
+    return pl.lit(f"is {'negative' if key == 'negative' else 'not finite'}; expected {rule.expected}")
+
+
+def _empty_or(canonical: str, expected: str, otherwise: str) -> pl.Expr:
+    raw = pl.col(_raw(canonical))
+    empty = raw.is_null() | (raw.cast(pl.String).str.strip_chars() == "")
+    return pl.when(empty).then(pl.lit(f"is empty; expected {expected}")).otherwise(pl.lit(otherwise))
 
 
 def _id_problems(ids: pl.Series) -> pl.Series:
     """[N] what is wrong with each id, with what was expected (null: nothing)."""
-    expected = f"expected printable, visible characters, at most {MAX_ID_CHARS}, as the service reads them"
-    problems = [None if v is None or not (p := id_problem(v)) else f"{p}; {expected}" for v in ids.to_list()]
+    values = ids.to_list()
+    problems = [
+        None if v is None or not (p := id_problem(v)) else f"{p}; expected {ID_EXPECTED}" for v in values
+    ]
     return pl.Series(problems, dtype=pl.String)
 
 
@@ -371,7 +386,7 @@ def _explain(src: _Input, checks: list[_Check], bad: pl.DataFrame, rows_read: in
         )
     explained = raw.join(bad.select(ROW, DUP_OF, DUP_OF_VALID, *(c.flag for c in checks)), on=ROW).sort(ROW)
     explained = _with_lines(src, explained, rows_read)
-    explained = explained.with_columns(pl.col(s).alias(_raw(c)) for c, s in src.present.items())
+    explained = explained.with_columns(pl.col(s).alias(_raw(c)) for c, s in src.written.items())
     messages = []
     for c in checks:
         shown = cut_column(pl.col(_raw(c.canonical)).fill_null(""))

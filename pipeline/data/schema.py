@@ -40,6 +40,10 @@ EARLIEST_TS = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_TS = datetime(2100, 1, 1, tzinfo=UTC)
 TS_RANGE = "1970-01-01 .. 2099-12-31 UTC"
 
+# Chargeback windows run to about 540 days; ten years is past any of them, and keeps ts + delay a time that
+# polars and Python both hold for every ts a dataset may have. The longest delay a setting may give a label.
+MAX_LABEL_DELAY_DAYS = 3650
+
 # Events of one account are ordered by (ts, event_id); the dataset as a whole is stored in that order too.
 EVENT_ORDER: tuple[str, ...] = ("ts", "event_id")
 

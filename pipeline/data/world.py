@@ -4,6 +4,8 @@
 Shape letters: A accounts, M terminals.
 """
 
+import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, date, datetime
@@ -13,7 +15,7 @@ from typing import Any, Self
 import numpy as np
 
 from models.checks import is_finite_number, is_integer, read_number, read_setting, read_yaml_file
-from pipeline.data.schema import EARLIEST_TS, LATEST_TS, TS_RANGE
+from pipeline.data.schema import EARLIEST_TS, LATEST_TS, MAX_LABEL_DELAY_DAYS, TS_RANGE
 
 GRID_SIZE = 100.0  # accounts and terminals live on a GRID_SIZE x GRID_SIZE square
 # The farthest from its centre a point of the grid can be (half its diagonal): any home has grid points at
@@ -121,15 +123,45 @@ class GenerateConfig:
                 "from a home at its centre (its largest distance, the diagonal, is "
                 f"{2 * FARTHEST_FROM_ANY_HOME:.2f}), and a takeover there would silently get a random terminal"
             )
-        # Every event in 1970..2099 (pipeline/data/schema.py); ordinals, as a date this late cannot be added to.
-        first_day = self.start_date.toordinal()
-        if first_day < _EARLIEST_DAY or first_day + self.days > _LATEST_DAY:
-            problems.append(
-                f"start_date={self.start_date.isoformat()} with days={self.days}, expected days within "
-                f"{TS_RANGE}"
-            )
+        problems += self._upper_bound_problems() + self._period_problems()
         if problems:
             raise ValueError("invalid GenerateConfig: " + "; ".join(problems))
+
+    def _upper_bound_problems(self) -> list[str]:
+        """Durations, amounts and amount factors past which a time or an amount no longer fits (see below)."""
+        problems = []
+        for name, unit_days in _DURATIONS.items():
+            if getattr(self, name) * unit_days > MAX_LABEL_DELAY_DAYS:
+                most = MAX_LABEL_DELAY_DAYS / unit_days
+                problems.append(
+                    f"{name}={getattr(self, name)!r}, expected at most {most:g} ({MAX_LABEL_DELAY_DAYS} days)"
+                )
+        for name in _AMOUNT_FACTORS:
+            if getattr(self, name) > MAX_AMOUNT_FACTOR:
+                problems.append(f"{name}={getattr(self, name)!r}, expected at most {MAX_AMOUNT_FACTOR:g}")
+        for name in _AMOUNTS:
+            if getattr(self, name) > MAX_AMOUNT:
+                problems.append(
+                    f"{name}={getattr(self, name)!r}, expected at most {MAX_AMOUNT:g} (the service's default max_amount)"
+                )
+        return problems
+
+    def _period_problems(self) -> list[str]:
+        """Every event, and every label time, in 1970..2099 (pipeline/data/schema.py); in ordinals, as a date
+        this late cannot be added to."""
+        first_day = self.start_date.toordinal()
+        if first_day < _EARLIEST_DAY or first_day + self.days > _LATEST_DAY:
+            return [
+                f"start_date={self.start_date.isoformat()} with days={self.days}, expected days within {TS_RANGE}"
+            ]
+        delay_days = max(self.legit_label_delay_days, self.label_delay_days_max)
+        if first_day + self.days + math.ceil(delay_days) > _LATEST_DAY:
+            return [
+                f"start_date={self.start_date.isoformat()} with days={self.days} and labels up to {delay_days:g} "
+                "days later (legit_label_delay_days, label_delay_days_max), expected label times within "
+                f"{TS_RANGE}"
+            ]
+        return []
 
     def with_settings(self, settings: Iterable[str]) -> Self:
         """This config with `KEY=VALUE` texts applied in order (`txsentinel generate --set`), each VALUE read
@@ -173,6 +205,115 @@ class GenerateConfig:
 
 
 _EARLIEST_DAY, _LATEST_DAY = EARLIEST_TS.date().toordinal(), LATEST_TS.date().toordinal()
+
+# What the size check counts. An account makes Poisson(U(0, TX_PER_DAY_MAX)) events a day. At its peak the
+# generator holds about 270 bytes an event (measured at 0.2M and 1M events) and writing the dataset sorts a
+# copy: BYTES_PER_EVENT covers both. A (row, day) cell holds a count and a scenario window's edges; a (home,
+# terminal) pair of reach its index and its candidates' (measured: about 20 bytes a pair at 17M pairs).
+TX_PER_DAY_MAX = 4.0
+MEAN_TX_PER_DAY = TX_PER_DAY_MAX / 2
+BYTES_PER_EVENT = 400
+BYTES_PER_CELL = 24
+BYTES_PER_REACH = 24
+
+# Durations, each in days per unit of its setting: at most MAX_LABEL_DELAY_DAYS, ten years, as ingest's label
+# delay; far beyond, a time no longer fits numpy's int64 microseconds.
+_DURATIONS = {
+    "label_delay_hours_min": 1 / 24,
+    "label_delay_days_mean": 1.0,
+    "label_delay_days_max": 1.0,
+    "legit_label_delay_days": 1.0,
+    "card_testing_probe_gap_seconds_max": 1 / DAY_SECONDS,
+    "card_testing_cashout_delay_hours_max": 1 / 24,
+}
+# Amounts: a factor of an account's usual amount, or an amount itself, up to the service's default max_amount
+# (consumers/scoring/message_limits.py), so that any event generated would be scored live, not dead-lettered.
+MAX_AMOUNT = 1e9
+MAX_AMOUNT_FACTOR = 1000.0
+_AMOUNT_FACTORS = (
+    "compromised_account_amount_factor",
+    "takeover_amount_factor_max",
+    "drift_amount_factor_max",
+)
+_AMOUNTS = ("card_testing_probe_amount_max", "card_testing_cashout_amount_max")
+
+
+def size_problem(cfg: GenerateConfig, memory_bytes: int | None) -> str:
+    """Why `cfg` would not fit in `memory_bytes` (this machine's memory; None: unknown), naming the settings
+    that size what does not fit, with the estimate; "" when it fits."""
+    terms = _memory_terms(cfg)
+    needed = sum(count * size for _, count, size in terms)
+    if memory_bytes is None or needed <= memory_bytes:
+        return ""
+    big = sorted((t for t in terms if t[1] * t[2] >= needed / 10), key=lambda t: -t[1] * t[2])
+    shown = "; ".join(f"{what}: {count:.3g}, {_bytes(count * size)}" for what, count, size in big)
+    return (
+        f"these settings need about {_bytes(needed)} of memory to generate, more than this machine's "
+        f"{_bytes(memory_bytes)}: {shown}. Lower those settings"
+    )
+
+
+def _memory_terms(cfg: GenerateConfig) -> list[tuple[str, float, int]]:
+    """(what, how many, bytes each) of what generating `cfg` holds, at the most its settings allow."""
+    a, d = f"accounts={cfg.accounts:,}", f"days={cfg.days:,}"
+    takeovers = cfg.takeover_accounts_per_day * cfg.account_scale * cfg.days
+    card_tests = cfg.card_testing_accounts_per_day * cfg.account_scale * cfg.days
+    windows = cfg.compromised_terminals_per_day * cfg.terminal_scale
+    windows += cfg.compromised_accounts_per_day * cfg.account_scale
+    # Every home an account has (a moving one, one a step), each with the terminals within radius of it.
+    homes = cfg.accounts * (1 + cfg.drift_account_fraction * math.ceil(cfg.days / cfg.drift_home_step_days))
+    share = min(1.0, math.pi * cfg.radius**2 / GRID_SIZE**2)
+    return [
+        (
+            f"events: {a} x {d} x {MEAN_TX_PER_DAY:g} a day",
+            cfg.accounts * cfg.days * MEAN_TX_PER_DAY,
+            BYTES_PER_EVENT,
+        ),
+        (
+            "events of takeovers: takeover_accounts_per_day x days x takeover_days_max x takeover_tx_per_day_factor",
+            takeovers * cfg.takeover_days_max * cfg.takeover_tx_per_day_factor * TX_PER_DAY_MAX,
+            BYTES_PER_EVENT,
+        ),
+        (
+            "events of card tests: card_testing_accounts_per_day x days x (card_testing_probes_max + "
+            "card_testing_cashouts_max)",
+            card_tests * (cfg.card_testing_probes_max + cfg.card_testing_cashouts_max),
+            BYTES_PER_EVENT,
+        ),
+        (
+            f"day cells: ({a} + terminals={cfg.n_terminals:,}) x {d}",
+            (cfg.accounts + cfg.n_terminals) * cfg.days,
+            BYTES_PER_CELL,
+        ),
+        (
+            "compromised windows: (compromised_terminals_per_day + compromised_accounts_per_day) x days",
+            windows * cfg.days,
+            BYTES_PER_CELL,
+        ),
+        (
+            f"terminals in reach of a home: {a}'s homes x terminals={cfg.n_terminals:,} within radius={cfg.radius:g}",
+            homes * cfg.n_terminals * share,
+            BYTES_PER_REACH,
+        ),
+    ]
+
+
+def _bytes(size: float) -> str:
+    scaled = size / 2**30
+    for unit in ("GiB", "TiB", "PiB"):
+        if scaled < 1024:
+            return f"{scaled:,.1f} {unit}"
+        scaled /= 1024
+    return f"{scaled:,.3g} EiB"
+
+
+def memory_bytes() -> int | None:
+    """This machine's memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
 
 _AT_LEAST_ONE = {
     "accounts",

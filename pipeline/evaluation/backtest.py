@@ -42,6 +42,7 @@ from pipeline.evaluation.protocol import (
     DetectionMetrics,
     budget_curve,
     detection_metrics,
+    no_fraud_to_test,
     scenario_metrics,
 )
 from pipeline.evaluation.report_plots import bar_plot, line_plot
@@ -222,6 +223,9 @@ def backtest(cfg: BacktestConfig, model: LoadedModel | None = None) -> BacktestR
     last = cfg.test_period or Period(span.end - DEFAULT_TEST_DAYS * DAY, span.end)
     periods = prequential_test_periods(last, cfg.folds, span)
     _warn_on_training_overlap(model.meta, periods)
+    for test in periods:
+        if warning := no_fraud_to_test(frame, test, "--test-period, --folds"):
+            log.warning(warning)
 
     scorer = Scorer(model, reasons=cfg.reasons)
     history = frame.filter(pl.col("ts") < last.end)

@@ -13,6 +13,7 @@ CP@k whose exclusions are the frauds whose *label* was known (label_ts) before e
 happened.
 """
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -59,6 +60,44 @@ class DetectionMetrics:
             f"{prefix}all_events/ap": self.all_events_ap,
             f"{prefix}known_labels/cp_at_{self.k}": self.known_labels_cp_at_k,
         }
+
+    def undefined(self, test: Period) -> str:
+        """Why AUC and AP are NaN on `test`, in words, with what becomes of them; "" when they are defined."""
+        if not math.isnan(self.ap):
+            return ""
+        if self.events == 0:
+            why = f"the published protocol leaves out every event of the test period {test}"
+        elif self.frauds == self.events:
+            why = f"every event of the test period {test} that the protocol keeps is fraud"
+        elif math.isnan(self.all_events_ap):
+            why = f"the test period {test} has no fraud labels (is_fraud) among its scored events"
+        else:
+            why = (
+                f"the test period {test}'s frauds are all of accounts the published protocol leaves out (a fraud "
+                "in the training week or the delay before it)"
+            )
+        return f"{why}: AUC and AP are undefined (NaN), and not logged"
+
+
+def undefined_note(metrics: DetectionMetrics, test: Period) -> str:
+    """Why AUC and AP are undefined, in brackets after a space, for a line that prints them as nan; "" when they
+    are defined."""
+    reason = metrics.undefined(test)
+    return f" ({reason})" if reason else ""
+
+
+def no_fraud_to_test(frame: pl.DataFrame, test: Period, moved_by: str) -> str:
+    """A warning, before any work, that `test` (of the dataset `frame`) has no fraud label, or only fraud, so
+    that no AUC or AP can be measured on it; "" when it has both. `moved_by`: the settings that move `test`."""
+    in_test = frame.lazy().filter(test.contains())
+    frauds, events = in_test.select(pl.col("is_fraud").sum(), pl.len()).collect().row(0)
+    if 0 < frauds < events:
+        return ""
+    held = "no fraud labels (is_fraud)" if frauds == 0 else "only fraud labels"
+    return (
+        f"the test period {test} has {held} among its {events} events: its AUC and AP will be undefined (NaN) "
+        f"and not logged. To test on fraud, move the test period ({moved_by})"
+    )
 
 
 def published_exclusions(frame: pl.DataFrame, test: Period, delay_days: int = DELAY_DAYS) -> pl.DataFrame:

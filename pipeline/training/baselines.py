@@ -1,6 +1,7 @@
 """Per-event baselines the field uses, trained on the same features and scored with the same protocol, so
 every comparison shows the sequence models against them. IsolationForest uses no labels at all."""
 
+import logging
 import math
 import time
 
@@ -12,10 +13,23 @@ from sklearn.linear_model import LogisticRegression
 from pipeline.data.dataset import read_dataset, require_labels
 from pipeline.data.splits import known_target
 from pipeline.evaluation.plots import log_evaluation
-from pipeline.evaluation.protocol import detection_metrics, scenario_metrics
+from pipeline.evaluation.protocol import (
+    detection_metrics,
+    no_fraud_to_test,
+    scenario_metrics,
+    undefined_note,
+)
 from pipeline.features import compute_features, fit_feature_spec
 from pipeline.registry.tracking import configure_tracking, log_params, pinned_requirements
-from pipeline.training.config import TrainConfig, TrainResult, flatten, split_dataset
+from pipeline.training.config import (
+    TEST_PERIOD_SETTINGS,
+    TrainConfig,
+    TrainResult,
+    flatten,
+    split_dataset,
+)
+
+log = logging.getLogger(__name__)
 
 
 def _make(name: str, seed: int):
@@ -46,6 +60,8 @@ def train_baseline(cfg: TrainConfig):
     require_labels(cfg.data, f"{cfg.model} is trained and tested on known fraud")
     frame = read_dataset(cfg.data)
     split, _ = split_dataset(cfg, frame, validated=False)
+    if warning := no_fraud_to_test(frame, split.test, TEST_PERIOD_SETTINGS):
+        log.warning(warning)
     features = compute_features(frame.filter(pl.col("ts") < split.test.end))
     spec = fit_feature_spec(features, split.train.start, split.train.end)
     train = features.filter(split.train.contains()).with_columns(
@@ -88,8 +104,8 @@ def train_baseline(cfg: TrainConfig):
             ],
         )
     print(
-        f"trained {cfg.model}: run {run.info.run_id}, test AUC {metrics.auc:.3f} AP {metrics.ap:.3f} "
-        f"CP@{cfg.cp_k} {metrics.cp_at_k:.3f}, {train_seconds:.0f} s"
+        f"trained {cfg.model}: run {run.info.run_id}, test AUC {metrics.auc:.3f} AP {metrics.ap:.3f}"
+        f"{undefined_note(metrics, split.test)} CP@{cfg.cp_k} {metrics.cp_at_k:.3f}, {train_seconds:.0f} s"
     )
     return TrainResult(run.info.run_id, cfg.model, "", -1, results)
 

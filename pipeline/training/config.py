@@ -157,6 +157,8 @@ ACCELERATORS = ("cpu", "gpu", "cuda")
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")  # Lightning's names
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 PERIOD_EXAMPLE = "START:END ISO dates, end exclusive, e.g. 2026-03-01:2026-03-15"
+# What moves the test period: for a line that asks for another one.
+TEST_PERIOD_SETTINGS = "--test-period, --set test_days=N"
 # The detector config's fields that the dataset's features set: a value given for them would not fit the data.
 FROM_THE_FEATURES = ("num_features", "terminal_buckets")
 

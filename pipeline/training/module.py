@@ -115,9 +115,11 @@ class DetectorModule(pl.LightningModule):
         scored = ~np.isnan(self.scores["val"])
         auc, ap = event_metrics(self.scores["val"][scored], targets[scored] > 0.5)
         # Every rank holds every score now and computes the same figures (sync_dist as for the loss).
-        # An undefined AP (no fraud in validation) must not stop training early: log 0 instead of NaN.
-        self.log("val/ap", 0.0 if math.isnan(ap) else ap, prog_bar=True, sync_dist=True)
-        self.log("val/auc", 0.0 if math.isnan(auc) else auc, sync_dist=True)
+        # Undefined (one class among the scored events): not logged. A validation window without fraud trains
+        # with no early stopping (train.py); a sanity check's few batches may have none, and nothing reads it.
+        if not math.isnan(ap):
+            self.log("val/ap", ap, prog_bar=True, sync_dist=True)
+            self.log("val/auc", auc, sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
         self._finish("test")

@@ -28,12 +28,13 @@ from models.registry import REGISTRY, build_detector, config_class
 from pipeline.data.dataset import require_labels
 from pipeline.data.splits import Period, Split
 from pipeline.evaluation.plots import log_evaluation
+from pipeline.evaluation.protocol import no_fraud_to_test, undefined_note
 from pipeline.features.drift_reference import fit_reference
 from pipeline.registry.artifact import save_model_dir
 from pipeline.registry.pyfunc_model import log_and_register
 from pipeline.registry.tracking import configure_tracking, log_params
 from pipeline.training.baselines import BASELINES, train_baseline
-from pipeline.training.config import TrainConfig, TrainResult, flatten
+from pipeline.training.config import TEST_PERIOD_SETTINGS, TrainConfig, TrainResult, flatten
 from pipeline.training.datamodule import HistoryDataModule, Window
 from pipeline.training.diagnostics import (
     parity_metrics,
@@ -69,12 +70,38 @@ def _pos_weight(seqs: AccountSequences, window: Window, given: float | None) -> 
     return math.sqrt(legit / frauds)
 
 
-def _trainer(cfg: TrainConfig) -> pl_lightning.Trainer:
-    """A Trainer that knows its global rank; rank 0 gives it the logger and the checkpoint directory."""
+def _trainer(cfg: TrainConfig, validated: bool = True) -> pl_lightning.Trainer:
+    """A Trainer that knows its global rank; rank 0 gives it the logger and the checkpoint directory.
+    `validated`: the validation AP picks the best epoch and stops early; otherwise (it is undefined) every
+    epoch trains and the last one is kept."""
     # No dirpath yet: rank 0 sets it once its run exists, and Lightning hands it to the other ranks.
+    if not validated:
+        return _lightning_trainer(cfg, cfg.max_epochs, callbacks=[ModelCheckpoint(save_top_k=1)])
     checkpoint = ModelCheckpoint(monitor="val/ap", mode="max", save_top_k=1)
     early_stopping = EarlyStopping("val/ap", mode="max", patience=cfg.early_stopping_patience)
     return _lightning_trainer(cfg, cfg.max_epochs, callbacks=[early_stopping, checkpoint])
+
+
+def _validation_picks_epochs(
+    seqs: AccountSequences, window: Window, validation: Period, cfg: TrainConfig
+) -> bool:
+    """Whether the validation window's known labels hold both fraud and legit events, so that its AP is defined
+    and can pick the best epoch; if not, a warning says so, naming the window and the settings that move it."""
+    counted = (seqs.ts_us >= window.start_us) & (seqs.ts_us < window.end_us)
+    frauds = int(seqs.target[counted].sum())
+    if 0 < frauds < int(counted.sum()):
+        return True
+    held = "no known fraud" if frauds == 0 else "only fraud"
+    log.warning(
+        "the validation period %s (the last validation_days = %d of training) holds %s, so its AP is "
+        "undefined: early stopping is off, all max_epochs = %d train and the last is kept. To validate on "
+        "fraud, widen or move the period (--set validation_days=N, --train-period)",
+        validation,
+        cfg.validation_days,
+        held,
+        cfg.max_epochs,
+    )
+    return False
 
 
 def _pretrainer(cfg: TrainConfig) -> pl_lightning.Trainer:
@@ -155,6 +182,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     pl_lightning.seed_everything(cfg.seed, workers=True, verbose=False)
     ready = prepare(cfg)
     split, validation, spec = ready.split, ready.validation, ready.spec
+    if warning := no_fraud_to_test(ready.frame, split.test, TEST_PERIOD_SETTINGS):
+        log.warning(warning)
     train_seqs, test_seqs, windows = ready.train_seqs, ready.test_seqs, ready.windows
     data = HistoryDataModule(
         train=(train_seqs, windows["train"]),
@@ -185,7 +214,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         num_events={"val": len(train_seqs.x), "test": len(test_seqs.x)},
     )
 
-    trainer = _trainer(cfg)
+    trainer = _trainer(cfg, _validation_picks_epochs(train_seqs, windows["validation"], validation, cfg))
     with _rank_zero_run(trainer, cfg, model_config.to_dict(), split, validation) as run_id:
         if cfg.pretrain_epochs:
             module.detector = _pretrained(
@@ -241,7 +270,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             model_uri, version = log_and_register(model_dir, cfg.registered_model)
     print(
         f"trained {cfg.model}: run {run_id}, {cfg.registered_model} v{version}, "
-        f"test AUC {metrics.auc:.3f} AP {metrics.ap:.3f} CP@{cfg.cp_k} {metrics.cp_at_k:.3f}, "
+        f"test AUC {metrics.auc:.3f} AP {metrics.ap:.3f}{undefined_note(metrics, split.test)} "
+        f"CP@{cfg.cp_k} {metrics.cp_at_k:.3f}, "
         f"parallel-vs-recurrent {results['test/parallel_vs_recurrent_max_abs']:.1e}{_split_flips(results)}, "
         f"alert threshold {threshold.value:.3f} ({threshold.validation_alerts_per_day:.0f}/day on validation), "
         f"{train_seconds:.0f} s"

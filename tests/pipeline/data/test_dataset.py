@@ -72,7 +72,10 @@ def test_an_output_that_is_not_a_dataset_directory_is_refused_untouched(frames, 
 
 def test_a_frame_with_times_no_dataset_holds_is_refused_before_writing(frames, tmp_path):
     far = frames[0].with_columns(pl.col("ts").dt.offset_by("3000y"))
-    with pytest.raises(ValueError, match=r"transactions have a ts outside 1970-01-01 .. 2099-12-31 UTC"):
+    with pytest.raises(
+        ValueError,
+        match=r"timestamp out of range \(column ts\): \d+ rows.* expected a time in 1970-01-01 .. 2099-12-31",
+    ):
         write_dataset(far, tmp_path / "data", {})
     assert list(tmp_path.iterdir()) == []
 
@@ -126,3 +129,103 @@ def test_a_damaged_dataset_is_named_with_the_file_and_what_is_wrong(
     assert main(["features", "--data", str(out)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and expected in err
+
+
+ROW5 = pl.int_range(pl.len()) == 5  # the sixth row, an event_id E000000005 in a generated dataset
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            pl.when(ROW5).then(float("nan")).otherwise("amount").alias("amount"),
+            "amount not finite (column amount)",
+        ),
+        (pl.when(ROW5).then(-3.0).otherwise("amount").alias("amount"), "negative amount (column amount)"),
+        (pl.when(ROW5).then(None).otherwise("amount").alias("amount"), "missing amount (column amount)"),
+        (
+            pl.when(ROW5).then(None).otherwise("account_id").alias("account_id"),
+            "empty id (column account_id)",
+        ),
+        (
+            pl.when(ROW5).then(pl.lit("A\u200b")).otherwise("account_id").alias("account_id"),
+            "id the service refuses",
+        ),
+        (
+            pl.when(ROW5).then(pl.lit("fo\nod")).otherwise(pl.lit("food")).alias("category"),
+            "text the service refuses (column category)",
+        ),
+        (
+            pl.when(ROW5).then(None).otherwise("is_fraud").alias("is_fraud"),
+            "missing fraud label (column is_fraud)",
+        ),
+        (pl.when(ROW5).then(None).otherwise("ts").alias("ts"), "missing timestamp (column ts)"),
+        (pl.col("ts").dt.offset_by("-100y"), "timestamp out of range (column ts)"),
+        (pl.col("label_ts").dt.offset_by("-8d"), "label_ts before ts (column label_ts)"),
+    ],
+    ids=[
+        "nan",
+        "negative",
+        "null amount",
+        "null id",
+        "invisible id",
+        "line break in category",
+        "null label",
+        "null ts",
+        "ts",
+        "label",
+    ],
+)
+def test_a_dataset_edited_to_hold_what_ingest_refuses_is_refused_when_read(edit, expected, frames, tmp_path):
+    out = tmp_path / "data"
+    write_dataset(frames[0], out, {"generator": "test"})
+    read_dataset(out).with_columns(edit).write_parquet(out / "transactions.parquet")
+    with pytest.raises(ValueError) as caught:
+        read_dataset(out)
+    said = str(caught.value)
+    assert said.startswith(f"{out / 'transactions.parquet'}: ") and expected in said
+    assert "the first row " in said and "re-run `txsentinel ingest`" in said
+
+
+def test_a_dataset_edited_out_of_order_or_with_a_repeated_id_is_refused_naming_the_first_row(
+    frames, tmp_path
+):
+    out = tmp_path / "data"
+    write_dataset(frames[0], out, {"generator": "test"})
+    frame = read_dataset(out)
+    first_id = frame["event_id"][0]
+    repeated = frame.with_columns(
+        pl.when(ROW5).then(pl.lit(first_id)).otherwise("event_id").alias("event_id")
+    )
+    repeated.write_parquet(out / "transactions.parquet")
+    with pytest.raises(
+        ValueError,
+        match=rf"duplicate event_id \(column event_id\): 1 row, the first row 6 \(event_id '{first_id}'\)",
+    ):
+        read_dataset(out)
+    frame.reverse().write_parquet(out / "transactions.parquet")
+    last_but_one = frame["event_id"][-2]
+    with pytest.raises(
+        ValueError,
+        match=rf"not in event order .*: {frame.height - 1} rows, the first row 2 \(event_id '{last_but_one}'\); expected rows sorted by \(ts, event_id\)",
+    ):
+        read_dataset(out)
+
+
+def test_labels_without_their_times_are_refused_by_the_schema_check(frames, tmp_path):
+    out = tmp_path / "data"
+    write_dataset(frames[0], out, {"generator": "test"})
+    read_dataset(out).drop("label_ts").write_parquet(out / "transactions.parquet")
+    with pytest.raises(ValueError, match="column label_ts is missing, which is_fraud comes with"):
+        read_dataset(out)
+
+
+def test_an_edited_dataset_stops_a_command_in_one_line_before_any_work(frames, tmp_path, capsys):
+    from pipeline.cli.main import main
+
+    out = tmp_path / "data"
+    write_dataset(frames[0], out, {"generator": "test"})
+    read_dataset(out).with_columns(pl.col("amount") * -1).write_parquet(out / "transactions.parquet")
+    assert main(["features", "--data", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "negative amount (column amount)" in err

@@ -377,7 +377,14 @@ def test_a_period_outside_the_years_a_dataset_holds_is_refused_before_generating
             ValueError, match=f"start_date={start} with days={days}, expected days within 1970"
         ):
             GenerateConfig(start_date=start, days=days)
-    assert GenerateConfig(start_date=date(2099, 12, 2), days=30).days == 30  # the last day is 2099-12-31
+    # The last day 2099-12-31 held events, and their labels, up to 30 days later, a time no dataset holds.
+    with pytest.raises(
+        ValueError,
+        match=r"start_date=2099-12-02 with days=30 and labels up to 30 days later \(legit_label_delay_days, "
+        r"label_delay_days_max\), expected label times within 1970",
+    ):
+        GenerateConfig(start_date=date(2099, 12, 2), days=30)
+    assert GenerateConfig(start_date=date(2099, 11, 2), days=30).days == 30  # labels by 2099-12-31
     out = tmp_path / "data"
     assert main(["generate", "--out", str(out), "--start-date", "9999-12-30", "--accounts", "5"]) == 2
     assert "start_date=9999-12-30 with days=180" in capsys.readouterr().err
@@ -397,3 +404,69 @@ def test_settings_that_make_no_transactions_are_refused_before_writing(setting, 
     assert "txsentinel generate: these settings made no transactions (accounts=5," in err
     assert "Traceback" not in err and f"nothing was written to {out}" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        (["accounts=1000000000000"], "terminals in reach of a home: accounts=1,000,000,000,000's homes x"),
+        (["terminals=100000000000"], "day cells: (accounts=200 + terminals=100,000,000,000) x days=30"),
+        (["takeover_accounts_per_day=1e12"], "events of takeovers: takeover_accounts_per_day x days x"),
+        (["card_testing_probes_max=1000000000000"], "events of card tests: card_testing_accounts_per_day x"),
+        (["compromised_terminals_per_day=1e15"], "compromised windows: (compromised_terminals_per_day +"),
+    ],
+    ids=["accounts", "terminals", "takeover rate", "probes", "compromised rate"],
+)
+def test_settings_too_big_for_memory_are_refused_before_generating_with_the_estimate(
+    settings, named, tmp_path, capsys
+):
+    # Each failed deep in numpy ("Unable to allocate 14.6 TiB for an array with shape ..."), naming no setting.
+    from pipeline.cli.main import main
+
+    out = tmp_path / "data"
+    argv = ["generate", "--out", str(out), "--accounts", "200", "--days", "30"]
+    assert main([*argv, *(f"--set={s}" for s in settings)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "of memory to generate, more than this machine's " in err and named in err
+    assert re.search(r"these settings need about [\d.,e+]+ [TPE]iB", err), err
+    assert not out.exists()
+
+
+def test_the_size_check_counts_against_the_memory_it_is_given():
+    from pipeline.data.world import size_problem
+
+    assert size_problem(SMALL, memory_bytes=2**30) == ""
+    assert size_problem(SMALL, memory_bytes=None) == ""  # a system that does not say: no check
+    said = size_problem(SMALL, memory_bytes=2**20)
+    assert said.startswith(
+        "these settings need about 0.0 GiB of memory to generate, more than this machine's 0.0 GiB"
+    )
+    assert "events: accounts=200 x days=30 x 2 a day: 1.2e+04" in said
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("legit_label_delay_days=1e300", "legit_label_delay_days=1e+300, expected at most 3650 (3650 days)"),
+        ("label_delay_hours_min=1e6", "label_delay_hours_min=1000000.0, expected at most 87600 (3650 days)"),
+        (
+            "card_testing_probe_gap_seconds_max=1e300",
+            "card_testing_probe_gap_seconds_max=1e+300, expected at most",
+        ),
+        ("takeover_amount_factor_max=1e308", "takeover_amount_factor_max=1e+308, expected at most 1000"),
+        (
+            "compromised_account_amount_factor=1e308",
+            "compromised_account_amount_factor=1e+308, expected at most",
+        ),
+        (
+            "card_testing_cashout_amount_max=1e308",
+            "expected at most 1e+09 (the service's default max_amount)",
+        ),
+    ],
+)
+def test_a_duration_or_amount_past_what_a_dataset_holds_is_refused_by_name(setting, message):
+    # Each made timestamps that overflowed (a polars panic), amounts of inf written to the dataset, or an
+    # OverflowError in numpy's uniform.
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SMALL.with_settings([setting])

@@ -484,6 +484,20 @@ c,x,t,1969-12-31T23:59:59Z,1
         ingest(IngestConfig(path, CONFIGS / "epoch_ndjson.yaml", tmp_path / "out2"))
 
 
+def test_a_label_time_defaulted_past_the_years_a_dataset_holds_is_refused_as_a_read_dataset_would(tmp_path):
+    # ts + label_delay_days past 2099 was written, and the dataset then refused when read.
+    header, first, *_ = BAD_CSV.strip().splitlines()
+    csv = write(tmp_path / "late.csv", f"{header}\n{first}\nt2,2099-12-30 00:00:00,c2,m2,5.0,0\n")
+    with pytest.raises(IngestError) as caught:
+        ingest(IngestConfig(csv, CONFIGS / "handbook.yaml", tmp_path / "out"))
+    assert (
+        f'{csv} row 2 (line 3), column TX_DATETIME -> label_ts: value "2099-12-30 00:00:00" + label_delay_days = 7 '
+        "(--label-delay-days) is outside 1970-01-01 .. 2099-12-31 UTC" in str(caught.value)
+    )
+    ingest(IngestConfig(csv, CONFIGS / "handbook.yaml", tmp_path / "out", on_invalid="quarantine"))
+    assert read_dataset(tmp_path / "out")["event_id"].to_list() == ["t1"]
+
+
 def test_of_rows_sharing_an_event_id_the_first_valid_one_is_kept(tmp_path):
     header = "event_id,account_id,terminal_id,ts,amount\n"
     csv = write(

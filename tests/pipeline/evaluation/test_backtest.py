@@ -14,6 +14,7 @@ import torch
 
 from models.registry import build_detector
 from pipeline.cli.main import main
+from pipeline.data.dataset import write_dataset
 from pipeline.data.splits import Period, dataset_days, prequential_test_periods
 from pipeline.evaluation.backtest import BacktestConfig, alert_reasons, backtest
 from pipeline.evaluation.live_compare import LiveCompareConfig
@@ -203,3 +204,23 @@ def test_the_k_of_card_precision_is_bounded_wherever_it_is_set(tmp_path):
     ):
         LiveCompareConfig(k=10**20)
     assert BacktestConfig(data=".", model_uri="x", k=MAX_K).k == MAX_K
+
+
+def test_a_fold_without_fraud_is_named_before_the_replay(workspace, tmp_path, caplog):
+    root, frame, *_ = workspace
+    test = last_days(frame, 2)
+    legit = pl.when(test.contains()).then(False).otherwise("is_fraud").alias("is_fraud")
+    write_dataset(frame.with_columns(legit), tmp_path / "data", source={"test": "no fraud in the last days"})
+    config = BacktestConfig(
+        data=tmp_path / "data",
+        model_uri=str(root / "model"),
+        test_period=test,
+        progress_bar=False,
+        log_to_mlflow=False,
+        reasons=0,
+    )
+    result = backtest(config)
+    assert np.isnan(result.folds[0].metrics.ap)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"the test period {test} has no fraud labels (is_fraud) among its " in " ".join(warned)
+    assert "move the test period (--test-period, --folds)" in " ".join(warned)

@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.data.splits import Period
 from pipeline.evaluation.protocol import (
+    DetectionMetrics,
     card_precision_at_k,
     detection_metrics,
     event_metrics,
@@ -162,3 +163,27 @@ def test_published_metrics_leave_the_excluded_accounts_out_of_auc_ap_and_cp():
     all_auc, all_ap = event_metrics(events["score"].to_numpy(), events["is_fraud"].to_numpy())
     assert (metrics.all_events_auc, metrics.all_events_ap) == (all_auc, all_ap)
     assert metrics.ap != metrics.all_events_ap
+
+
+@pytest.mark.parametrize(
+    ("kept", "all_events_ap", "why"),
+    [
+        ((0, 0), float("nan"), "the published protocol leaves out every event of the test period"),
+        (
+            (5, 5),
+            float("nan"),
+            "every event of the test period 2026-01-10:2026-01-17 that the protocol keeps is",
+        ),
+        ((9, 0), float("nan"), "the test period 2026-01-10:2026-01-17 has no fraud labels (is_fraud)"),
+        ((9, 0), 0.4, "2026-01-10:2026-01-17's frauds are all of accounts the published protocol leaves out"),
+    ],
+    ids=["none kept", "all fraud", "no fraud", "frauds left out"],
+)
+def test_undefined_metrics_say_why(kept, all_events_ap, why):
+    events, frauds = kept
+    nan = float("nan")
+    metrics = DetectionMetrics(nan, nan, 0.0, 100, events, frauds, all_events_ap=all_events_ap)
+    said = metrics.undefined(Period(utc(10, 0), utc(17, 0)))
+    assert why in said and said.endswith("AUC and AP are undefined (NaN), and not logged")
+    defined = DetectionMetrics(0.9, 0.5, 0.1, 100, events=9, frauds=2)
+    assert defined.undefined(Period(utc(10, 0), utc(17, 0))) == ""

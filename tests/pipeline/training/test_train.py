@@ -246,3 +246,80 @@ def test_a_training_window_of_fraud_only_is_refused_as_such(tmp_path):
         ValueError, match=r"labelled events is fraud: nothing to tell it from; are the labels"
     ):
         train(cfg)
+
+
+@pytest.mark.parametrize("model", ["lstm", "logreg"])
+def test_a_dataset_edited_after_it_was_made_is_refused_before_training(model, tmp_path):
+    # A negative amount written into the Parquet file by hand: features and training took it as a purchase.
+    generated = tmp_path / "generated"
+    run_generate(GenerateConfig(accounts=30, days=4, seed=0), generated)
+    edited = read_dataset(generated).with_columns(
+        pl.when(pl.col("event_id") == "E000000003").then(-50.0).otherwise("amount").alias("amount")
+    )
+    edited.write_parquet(generated / "transactions.parquet")
+    cfg = load_train_config(generated, None, ["max_epochs=1"], model=model)
+    with pytest.raises(
+        ValueError,
+        match=r"transactions.parquet: negative amount \(column amount\): 1 row, the first row 4 "
+        r"\(event_id 'E000000003'\).* re-run `txsentinel ingest`",
+    ):
+        train(cfg)
+
+
+def _without_fraud_in(tmp_path, period: str) -> tuple:
+    """A small generated dataset, its fraud in the validation or test period made legit; (data dir, the config's
+    settings, the period)."""
+    from pipeline.training.config import split_dataset
+
+    generated = tmp_path / "generated"
+    run_generate(GenerateConfig(accounts=120, days=30, seed=2), generated)
+    settings = ["max_epochs=3", "early_stopping_patience=0", "chunk_events=16", "batch_accounts=32"]
+    settings += ["test_days=5", "progress_bar=false", "model_config.d_model=8", "model_config.num_layers=1"]
+    frame = read_dataset(generated)
+    split, validation = split_dataset(load_train_config(generated, None, settings, model="lstm"), frame)
+    cleared = {"validation": validation, "test": split.test}[period]
+    legit = pl.when(cleared.contains()).then(False).otherwise("is_fraud").alias("is_fraud")
+    write_dataset(frame.with_columns(legit), tmp_path / "data", source={"test": f"no fraud in {period}"})
+    return tmp_path / "data", settings, cleared
+
+
+def test_a_validation_period_without_fraud_trains_every_epoch_and_says_why(tmp_path, monkeypatch, caplog):
+    # Its AP was logged as 0 every epoch: early stopping stopped after `patience` epochs and the checkpoint kept
+    # the first, silently.
+    data, settings, validation = _without_fraud_in(tmp_path, "validation")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    result = train(load_train_config(data, None, settings, model="lstm", out_dir=tmp_path / "runs"))
+    assert result.metrics["train/epochs"] == 3
+    assert "val/ap" not in mlflow.get_run(result.run_id).data.metrics
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        f"the validation period {validation} (the last validation_days = 7 of training) holds no known fraud"
+        in w
+        and "early stopping is off" in w
+        and "--set validation_days=N" in w
+        for w in warned
+    ), warned
+
+
+@pytest.mark.parametrize("model", ["lstm", "logreg"])
+def test_a_test_period_without_fraud_says_so_before_training_and_beside_its_nan(
+    model, tmp_path, monkeypatch, caplog, capsys
+):
+    # It printed "AP nan" and no more.
+    data, settings, test = _without_fraud_in(tmp_path, "test")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    result = train(load_train_config(data, None, settings, model=model, out_dir=tmp_path / "runs"))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        w.startswith(f"the test period {test} has no fraud labels (is_fraud) among its ")
+        and "move the test period (--test-period, --set test_days=N)" in w
+        for w in warned
+    ), warned
+    printed = capsys.readouterr().out
+    assert (
+        f"AP nan (the test period {test} has no fraud labels (is_fraud) among its scored events: AUC and AP "
+        "are undefined (NaN), and not logged)" in printed
+    )
+    assert not {"test/auc", "test/ap"} & set(mlflow.get_run(result.run_id).data.metrics)
