@@ -140,7 +140,9 @@ def ingest(cfg: IngestConfig) -> IngestReport:
         src.name, src.format, frame.height, good.height, invalid, invalid, problems, out=str(cfg.out)
     )  # reaching here with invalid rows means on_invalid="quarantine": every one of them was set aside
     # Quarantine mode writes the quarantine file even when empty, so that it always describes this dataset.
-    write_dataset(good, cfg.out, _metadata_source(src, cfg, report), quarantine=quarantined)
+    write_dataset(
+        good, cfg.out, _metadata_source(src, cfg, report), quarantine=quarantined, rows_checked=True
+    )
     return report
 
 
