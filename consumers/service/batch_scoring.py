@@ -216,8 +216,7 @@ class BatchScorer:
         created = {(e.record.partition, e.record.offset): e.record.timestamp for e in events}
         out.created_ms += [created[s.position] for s in scored.records]  # duplicates dropped: no score
         # These events' terminal counts, for the other instances and the table writer.
-        deltas = encode_deltas(scorer.featurizer.take_terminal_journal())
-        if deltas is not None:
+        for deltas in encode_deltas(scorer.featurizer.take_terminal_journal()):
             records.append((self.deltas_topic, self.session, deltas, None))
         # Only now forget the changed set: should anything below fail, the rewind evicts and restores.
         changed = sorted(scorer.take_changed())

@@ -8,6 +8,7 @@ The table writer folds them all (consumers/terminals/table.py has the whole flow
 
 Value: the table's header (magic TXD1, state and feature versions), then JSON [terminal ids, epoch days],
 one entry per event, in the order they were folded (the order does not matter: the fold is order-free).
+A batch whose value would pass DELTA_VALUE_BYTES writes several, each folded on its own.
 """
 
 import json
@@ -21,20 +22,31 @@ from pipeline.features.stream_batches import TerminalOp
 
 _MAGIC = b"TXD1"
 _EVENTS = "events"
+# Half of the broker's and the producer's default largest record (1 MiB): a batch's deltas split beyond it.
+DELTA_VALUE_BYTES = 512 * 1024
 
 
-def encode_deltas(ops: list[TerminalOp]) -> bytes | None:
-    """The events ops of a batch's terminal journal as one delta value; None when it counted no event.
-    Report ops (labels) are left out: every instance reads the labels itself."""
+def encode_deltas(ops: list[TerminalOp]) -> list[bytes]:
+    """The events ops of a batch's terminal journal as delta values, each at most DELTA_VALUE_BYTES (none
+    when it counted no event). Report ops (labels) are left out: every instance reads the labels itself."""
     terminals: list[str] = []
     days: list[int] = []
     for op in ops:
         if op.kind == _EVENTS:
             terminals += op.terminals
             days += op.days.tolist()
-    if not terminals:
-        return None
-    return pack_header(_MAGIC) + json.dumps([terminals, days], separators=(",", ":")).encode()
+    return _values(terminals, days) if terminals else []
+
+
+def _values(terminals: list[str], days: list[int]) -> list[bytes]:
+    """[terminals, days] as one value, or halved until each part fits DELTA_VALUE_BYTES: a batch of valid
+    events with long non-ASCII terminal ids (12 bytes a character, escaped) can run past what the broker
+    takes in one record, and a record it refuses fails the batch's transaction every time it is tried."""
+    value = pack_header(_MAGIC) + json.dumps([terminals, days], separators=(",", ":")).encode()
+    if len(value) <= DELTA_VALUE_BYTES or len(terminals) == 1:
+        return [value]
+    half = len(terminals) // 2
+    return _values(terminals[:half], days[:half]) + _values(terminals[half:], days[half:])
 
 
 def decode_deltas(

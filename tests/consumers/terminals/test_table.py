@@ -125,7 +125,7 @@ def test_an_empty_table_is_read_as_empty(monkeypatch):
 
 def test_a_delta_of_another_version_or_garbage_is_a_message_error_to_skip():
     # Any instance, or anyone who can write the topic, can put one there: it must not stop every reader.
-    delta = terminal_deltas.encode_deltas([TerminalOp("events", ["a"], np.array([1], dtype=np.int64))])
+    (delta,) = terminal_deltas.encode_deltas([TerminalOp("events", ["a"], np.array([1], dtype=np.int64))])
     newer = delta[:4] + (99).to_bytes(2, "little") + delta[6:]
     with pytest.raises(MessageError, match=r"state version 99.*new topic and replay.*skipped"):
         terminal_deltas.decode_deltas("deltas[0]@3", newer)
@@ -191,13 +191,24 @@ def test_a_delta_carries_a_batchs_event_counts_and_leaves_reports_out():
     featurizer.observe_labels(
         LabelBatch(["t9"], np.array([5], dtype=np.int64), np.array([True]), ["e9"], ["a"])
     )
-    assert terminal_deltas.encode_deltas(featurizer.take_terminal_journal()) is None  # reports only
+    assert terminal_deltas.encode_deltas(featurizer.take_terminal_journal()) == []  # reports only
     ts = np.array([3, 2, 1], dtype=np.int64) * 86_400_000_000
     featurizer.transform(EventBatch(["a", "b", "a"], ["t1", "t2", "t1"], ts, np.ones(3)))
-    op = terminal_deltas.decode_deltas(
-        "here", terminal_deltas.encode_deltas(featurizer.take_terminal_journal())
-    )
+    (value,) = terminal_deltas.encode_deltas(featurizer.take_terminal_journal())
+    op = terminal_deltas.decode_deltas("here", value)
     assert op.kind == "events" and op.terminals == ["t1", "t2", "t1"] and op.days.tolist() == [3, 2, 1]
+
+
+def test_a_batch_of_long_terminal_ids_writes_several_deltas_each_small_enough_for_the_broker():
+    # 256 emoji escape to ~3 KB in JSON: 500 such valid events made one 1.5 MB record, past the broker's 1 MiB,
+    # and the batch's transaction failed on every try.
+    terminals = [f"{i:03d}" + "\U0001f600" * 253 for i in range(500)]
+    days = np.arange(500, dtype=np.int64) % 7
+    values = terminal_deltas.encode_deltas([TerminalOp("events", terminals, days)])
+    assert len(values) > 1 and all(len(v) <= terminal_deltas.DELTA_VALUE_BYTES for v in values)
+    ops = [terminal_deltas.decode_deltas("here", v) for v in values]
+    assert [t for op in ops for t in op.terminals] == terminals
+    assert np.concatenate([op.days for op in ops]).tolist() == days.tolist()
 
 
 def test_a_flush_ends_with_the_positions():
@@ -236,7 +247,7 @@ def test_a_table_flushed_anywhere_plus_the_later_deltas_is_every_instances_state
         who.transform(events)  # labels: every instance reads them; kept apart here, folded below
         if batch_labels is not None:
             labels.append(batch_labels)
-        log.append((i % 3, terminal_deltas.encode_deltas(who.take_terminal_journal())))
+        log += [(i % 3, value) for value in terminal_deltas.encode_deltas(who.take_terminal_journal())]
         if rng.random() < 0.2:  # the writer catches up and flushes
             ops = [terminal_deltas.decode_deltas("log", value) for _, value in log[writer_at:]]
             writer.apply_terminal_ops(ops)
