@@ -153,7 +153,11 @@ class FeedReader:
         go to the positions it reflects. What comes after them is still to be read. `row_limit`: where the
         new table's records stop doubling (TerminalEviction.row_limit of its holder; None: no cap). Returns
         the keys of the table's records left out (TableRead.left_out)."""
-        table = read_table(reader, table_topic, self.labels_topic, self.deltas_topic, self.timeout_s)
+        # A day to come is refused with a day to spare: the table was written on other hosts, by their clocks.
+        last_day = self.limits.days(time.time_ns() // 1000)[1] + 1
+        table = read_table(
+            reader, table_topic, self.labels_topic, self.deltas_topic, self.timeout_s, last_day
+        )
         featurizer.terminals = table.terminals
         featurizer.terminals.row_limit = row_limit
         self.seek(table.positions)

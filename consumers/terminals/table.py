@@ -26,6 +26,7 @@ Layout. One partition, compacted, no time retention. Keys that start with a NUL 
 
 import json
 import logging
+import math
 import struct
 import time
 from collections.abc import Iterable
@@ -38,7 +39,14 @@ from consumers.runtime.compacted import Reader, read_latest
 from consumers.runtime.topics import TABLE_PARTITIONS
 from consumers.scoring.message_limits import MessageError
 from pipeline.features.definitions import FEATURE_VERSION
-from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable, record_fault, record_faults
+from pipeline.features.state import (
+    MAX_EPOCH_DAY,
+    STATE_VERSION,
+    TERMINAL_STATE,
+    StateTable,
+    record_fault,
+    record_faults,
+)
 
 log = logging.getLogger(__name__)
 
@@ -186,21 +194,29 @@ def _report_garbage(topic: str, garbage: list[tuple[str, MessageError]]) -> None
         )  # fmt: skip
 
 
-def _let_corrupt_records_go(topic: str, table: StateTable) -> list[str]:
+def _let_corrupt_records_go(topic: str, table: StateTable, last_day: int) -> list[str]:
     """Leave out the terminal records that no events and labels give (a day past the stream's range, a
-    negative count: pipeline/features/state.py's record_faults), naming the first at ERROR: restored, one
-    would read as garbage ever after, and a day past the range spills into the windows of the other
-    terminals of a batch. Every holder reads the same table, so every one leaves the same terminals out:
-    their counts start again from the deltas and labels after the table's positions."""
+    negative count: pipeline/features/state.py's record_faults; a day after `last_day`, the last a ts or
+    label_ts may fall on now), naming the first at ERROR: restored, one would read as garbage ever after, a
+    day past the range spills into the windows of the other terminals of a batch, and a day to come makes
+    every other terminal look idle (consumers/terminals/idle.py). Every holder reads the same table, so
+    every one leaves the same terminals out: their counts start again from the deltas and labels after the
+    table's positions."""
     keys = list(table.slot_of)
-    slots = np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))
-    bad = np.flatnonzero(record_faults(table.records[slots])).tolist()
+    records = table.records[np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))]
+    to_come = np.zeros(len(keys), dtype=bool)
+    for name in ("max_day", "day", "report_day", "reported_day"):
+        days = records[name].reshape(len(keys), math.prod(records.dtype[name].shape))  # explicit: N may be 0
+        to_come |= (days > last_day).any(axis=1)
+    bad = np.flatnonzero(record_faults(records) | to_come).tolist()
     if bad:
+        first = records[bad[0]]
+        reason = record_fault(first) or f"a day after {last_day}, the last a ts may fall on now"
         log.error(
             "terminal table records refused, their counts start again from the deltas and labels: topic=%s "
             "terminals=%d first=%r: %s, which no events or labels give (a corrupt record; the next flush of "
             "each such terminal writes a sound one)",
-            topic, len(bad), keys[bad[0]], record_fault(table.records[slots[bad[0]]]),
+            topic, len(bad), keys[bad[0]], reason,
         )  # fmt: skip
         for i in bad:
             table.evict(keys[i])
@@ -216,9 +232,16 @@ class TableRead(NamedTuple):
 
 
 def read_table(
-    reader: Reader, topic: str, labels_topic: str, deltas_topic: str, timeout_s: float
+    reader: Reader,
+    topic: str,
+    labels_topic: str,
+    deltas_topic: str,
+    timeout_s: float,
+    last_day: int = MAX_EPOCH_DAY,
 ) -> TableRead:
-    """The table's terminal records and positions, as one flush left them.
+    """The table's terminal records and positions, as one flush left them. A record holding a day after
+    `last_day` (the last a ts may fall on now: MessageLimits.days, plus a day for the clocks of the hosts)
+    is left out as corrupt.
 
     Read up to the high watermark (consumers/runtime/compacted.py), and on until the last record read is a
     positions record: a flush still being written when the read began is taken whole or not at all.
@@ -255,7 +278,7 @@ def read_table(
         except MessageError as error:
             garbage.append((key, error))
     _report_garbage(topic, garbage)
-    corrupt = _let_corrupt_records_go(topic, table)
+    corrupt = _let_corrupt_records_go(topic, table, last_day)
     log.info(
         "terminal table read topic=%s records=%d terminals=%d positions=%s seconds=%.3f",
         topic, read, len(table), positions, time.monotonic() - started,

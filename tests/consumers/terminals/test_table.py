@@ -49,6 +49,9 @@ def test_a_record_of_another_version_or_layout_is_refused_with_what_to_do():
         ("max_day", 2**31 - 1, "max_day = 2147483647, expected an epoch day"),
         ("report_count", -1, "report_count = -1, expected a count >= 0"),
         ("reported_day", -5, "reported_day = -5, expected an epoch day"),
+        # A day to come: every other terminal would look idle by it, and be let go (consumers/terminals/idle.py).
+        ("max_day", 19_900, "a day after 19700, the last a ts may fall on now"),
+        ("report_day", 19_701, "a day after 19700"),
     ],
 )
 def test_a_table_record_no_events_give_is_left_out_naming_the_terminal(
@@ -63,12 +66,15 @@ def test_a_table_record_no_events_give_is_left_out_naming_the_terminal(
         "t2": terminal_table.encode_terminal(broken.tobytes()),
     }
     monkeypatch.setattr(terminal_table, "read_latest", lambda *args, **kwargs: (dict(latest), 2))
-    table, _, left_out = terminal_table.read_table(None, "table", "labels", "deltas", 1.0)  # stops nothing
+    now = 19_700  # the last day a ts may fall on as the table is read; the records' days are 19_675
+    table, _, left_out = terminal_table.read_table(
+        None, "table", "labels", "deltas", 1.0, now
+    )  # stops nothing
     assert "t2" not in table and table.get_bytes("t1") == source.terminals.get_bytes("t1")
     assert left_out == ["t2"]  # the writer's next flush deletes it
     assert re.search(rf"terminals=1 first='t2': {reason}.* no events or labels give", caplog.text)
     latest["t2"] = terminal_table.encode_terminal(source.terminals.get_bytes("t2"))
-    table = terminal_table.read_table(None, "table", "labels", "deltas", 1.0).terminals
+    table = terminal_table.read_table(None, "table", "labels", "deltas", 1.0, now).terminals
     assert table.get_bytes("t2") == source.terminals.get_bytes("t2")
 
 
