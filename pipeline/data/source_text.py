@@ -1,9 +1,11 @@
 """A source file as text: the line a CSV record starts on, and where a file polars refuses goes wrong.
 
 polars reads a CSV fast but names no line: not the byte that is not UTF-8, the quote that never closes, or
-the record with a field too many; and a quoted field that holds line breaks makes its row number and its
-line differ. The functions here find those lines by reading the file again in Python, so ingest calls them
-only once it has something to report: a file that ingests cleanly never pays for them.
+the record with a field too many; a quoted field that holds line breaks makes its row number and its line
+differ; and it fills the fields a record lacks with nulls, as it does empty fields, so that only the text
+tells a record cut short from one whose last field is empty. The functions here find those lines and fields
+by reading the file again in Python, so ingest calls them only for the rows it has to report or to tell
+apart: a file that ingests cleanly, its last field never empty, never pays for them.
 
 Lines are numbered from 1 as an editor shows them, each ending at "\\n"; a record starts on the line of its
 first character. Records are counted as polars counts them: `skip_rows` records, the header, then the data.
@@ -14,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import islice
+from itertools import compress, islice
 from pathlib import Path
 from typing import TextIO
 
@@ -114,20 +116,65 @@ def first_non_utf8(path: Path) -> BadByte | None:
 def data_lines(path: Path, options: CsvOptions, rows: list[int], rows_read: int) -> list[int | None]:
     """[N] the line each of `rows` (0-based data rows, ascending) starts on, None for a row not found;
     `rows_read`: how many data rows polars read from the file."""
-    first = options.skip_rows + int(options.has_header) + 1  # the line of data row 0, a line per record
-    if not rows or _line_count(path) == first - 1 + rows_read:  # no field holds a line break
+    first = _first_data_line(options)
+    if not rows or _a_record_per_line(path, options, rows_read):
         return [row + first for row in rows]
-    starts = {}
-    wanted = set(rows)
-    try:
-        for row, (line, _, _) in enumerate(islice(_Records(path, options, strict=False), first - 1, None)):
-            if row in wanted:
-                starts[row] = line
-                if len(starts) == len(wanted):
-                    break
-    except csv.Error:  # text polars took and csv does not, such as a lone "\r": later rows go unnamed
-        pass
+    starts = {row: line for row, line, _ in _data_records(path, options, rows)}
     return [starts.get(row) for row in rows]
+
+
+def field_counts(path: Path, options: CsvOptions, rows: list[int], rows_read: int) -> list[int | None]:
+    """[N] how many fields each of `rows` (0-based data rows, ascending) holds, 0 for a blank line, None for
+    a row not found; `rows_read` as for data_lines."""
+    if not rows:
+        return []
+    if _a_record_per_line(path, options, rows_read):  # the rows' lines are read alone, in one pass
+        wanted = bytearray(rows[-1] + 1)
+        for row in rows:
+            wanted[row] = 1
+        with _open_text(path) as f, _no_field_limit():
+            data = islice(f, _first_data_line(options) - 1, None)
+            return [_fields_on(line, options) for line in compress(data, wanted)]
+    counts = {row: len(record) for row, _, record in _data_records(path, options, rows)}
+    return [counts.get(row) for row in rows]
+
+
+def _fields_on(line: str, options: CsvOptions) -> int | None:
+    """How many fields `line`, a whole record, holds; None where csv cannot read it (a lone "\\r")."""
+    line = line.removesuffix("\n").removesuffix("\r")
+    if not line:
+        return 0
+    if not options.quote_char or options.quote_char not in line:
+        return line.count(options.separator) + 1
+    try:  # a separator may be inside a quoted field
+        return len(next(csv.reader([line], **_dialect(options))))
+    except csv.Error:
+        return None
+
+
+def _first_data_line(options: CsvOptions) -> int:
+    """The line of data row 0 in a file with a line per record."""
+    return options.skip_rows + int(options.has_header) + 1
+
+
+def _a_record_per_line(path: Path, options: CsvOptions, rows_read: int) -> bool:
+    """Whether no field of `path` holds a line break, so that data row R is on line R + the first."""
+    return _line_count(path) == _first_data_line(options) - 1 + rows_read
+
+
+def _data_records(path: Path, options: CsvOptions, rows: list[int]) -> Iterator[tuple[int, int, list[str]]]:
+    """(row, the line it starts on, its fields) for each of `rows` (0-based data rows) found, in order."""
+    wanted = set(rows)
+    records = islice(_Records(path, options, strict=False), _first_data_line(options) - 1, None)
+    try:
+        for row, (line, record, _) in enumerate(records):
+            if row in wanted:
+                yield row, line, record
+                wanted.discard(row)
+                if not wanted:
+                    return
+    except csv.Error:  # text polars took and csv does not, such as a lone "\r": later rows go unnamed
+        return
 
 
 def csv_problem(path: Path, options: CsvOptions) -> str | None:
@@ -162,10 +209,8 @@ class _Records:
         self.opened, self.opened_text = 0, ""  # the last line that leaves a quoted field open, and its text
 
     def __iter__(self) -> Iterator[tuple[int, list[str], int]]:
-        o = self.options
-        quoting = {"quotechar": o.quote_char} if o.quote_char else {"quoting": csv.QUOTE_NONE}
         with _open_text(self.path) as f, _no_field_limit():
-            reader = csv.reader(self._lines(f), delimiter=o.separator, strict=self.strict, **quoting)
+            reader = csv.reader(self._lines(f), strict=self.strict, **_dialect(self.options))
             start, quotes = 1, 0
             for record in reader:
                 yield start, record, self.quotes - quotes
@@ -239,6 +284,12 @@ def _line_count(path: Path) -> int:
         while chunk := f.read(_CHUNK_BYTES):
             lines, last = lines + chunk.count(b"\n"), chunk[-1:]
     return lines + (last != b"\n")
+
+
+def _dialect(options: CsvOptions) -> dict:
+    """csv.reader's arguments for a file that polars reads with `options`."""
+    quoting = {"quotechar": options.quote_char} if options.quote_char else {"quoting": csv.QUOTE_NONE}
+    return {"delimiter": options.separator, **quoting}
 
 
 def _open_text(path: Path) -> TextIO:

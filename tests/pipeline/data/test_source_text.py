@@ -154,6 +154,23 @@ def test_rows_after_a_field_with_line_breaks_are_named_by_the_line_they_start_on
     assert quarantine.select("row", "line").rows() == [(2, 7), (4, 10)]
 
 
+@pytest.mark.parametrize(
+    ("rows", "fields"),
+    [
+        (["a,b,c", "a,b", "", "a,b,", "a", "  "], [3, 2, 0, 3, 1, 1]),
+        (['a,"b,c"', '"a,b",', '"a",""', '"a,""b"",c"', "a,b"], [2, 2, 2, 1, 2]),  # separators in quotes
+        (['a,"two\nlines"', "a,b", 'a,"b,c",', "", "a"], [2, 2, 3, 0, 1]),  # a record over two lines
+        (["a,b\r", "a,b,c\r", "\r"], [2, 3, 0]),  # "\r\n" line ends
+    ],
+)
+def test_fields_are_counted_as_a_csv_reader_counts_them(rows, fields, tmp_path):
+    path = write_bytes(tmp_path / "t.csv", ("x,y,z\n" + "\n".join(rows) + "\n").encode())
+    options = load_mapping(CONFIGS / "canonical.yaml").csv
+    every = list(range(len(rows)))
+    assert source_text.field_counts(path, options, every, len(rows)) == fields
+    assert source_text.field_counts(path, options, every[1::2], len(rows)) == fields[1::2]
+
+
 def test_a_line_break_in_an_id_or_category_is_refused_naming_the_line_and_column(tmp_path):
     csv = write_bytes(
         tmp_path / "t.csv",
