@@ -17,14 +17,15 @@ import polars as pl
 
 from pipeline.data.dataset import QUARANTINE_FILE, write_dataset
 from pipeline.data.ids import id_problem
-from pipeline.data.mapping import Mapping, MappingError, SourceError, load_mapping
+from pipeline.data.ingest_input import ROW, IngestInput
+from pipeline.data.ingest_report import IngestError, IngestReport, Problem
+from pipeline.data.mapping import MappingError, load_mapping
 from pipeline.data.rules import ID_EXPECTED, TIMESTAMP_COLUMNS, Rule, value_rules
 from pipeline.data.schema import MAX_LABEL_DELAY_DAYS, TRANSACTION_SCHEMA, TS_RANGE
-from pipeline.data.source_text import cut, cut_column, data_lines, listed, not_utf8, unreadable
+from pipeline.data.source_text import cut_column
 
 ON_INVALID = ("fail", "quarantine")
 EXAMPLES_PER_PROBLEM = 3
-ROW = "__txs_row"  # 0-based data row, from the scan's row index
 DUP_OF = "__txs_dup_of"  # ROW of the row whose event_id this one repeats (see _flag_duplicates)
 DUP_OF_VALID = "__txs_dup_of_valid"  # whether that row is otherwise valid, so the one kept
 LINE = "__txs_line"  # the line of a CSV file the row starts on (pass 2 only, see _with_lines)
@@ -50,49 +51,6 @@ class IngestConfig:
 
 
 @dataclass(frozen=True)
-class Problem:
-    title: str  # e.g. "negative amount"
-    column: str  # e.g. "TX_AMOUNT -> amount"
-    rows: int
-    examples: tuple[str, ...]  # the first rows, each naming file, row, column, value and what was expected
-
-
-@dataclass(frozen=True)
-class IngestReport:
-    input: str
-    input_format: str
-    rows_read: int = 0
-    rows_written: int = 0
-    rows_quarantined: int = 0
-    rows_invalid: int = 0  # rows with at least one problem
-    problems: tuple[Problem, ...] = ()
-    out: str | None = None
-
-    def format(self) -> str:
-        head = f"{self.input} ({self.input_format}): {self.rows_read} rows read, {self.rows_written} written"
-        if self.rows_quarantined:
-            head += f", {self.rows_quarantined} quarantined in {Path(self.out or '.') / QUARANTINE_FILE}"
-        return "\n".join([head, *self.problem_lines()])
-
-    def problem_lines(self) -> list[str]:
-        lines = []
-        for p in self.problems:
-            lines.append(f"  {p.title} ({p.column}): {p.rows} row{'s' if p.rows != 1 else ''}")
-            lines += [f"    {example}" for example in p.examples]
-            if p.rows > len(p.examples) > 0:
-                lines.append(f"    ... and {p.rows - len(p.examples)} more")
-        return lines
-
-
-class IngestError(Exception):
-    """Input that cannot be ingested as asked; str() is the summary for a person, `report` the details."""
-
-    def __init__(self, message: str, report: IngestReport):
-        super().__init__(message)
-        self.report = report
-
-
-@dataclass(frozen=True)
 class _Check:
     flag: str  # boolean column: True where the row fails
     title: str
@@ -104,7 +62,7 @@ class _Check:
 
 def ingest(cfg: IngestConfig) -> IngestReport:
     """Read cfg.input through cfg.mapping and write a dataset to cfg.out; raise IngestError on bad input."""
-    src = _Input.open(Path(cfg.input), load_mapping(cfg.mapping))
+    src = IngestInput.open(Path(cfg.input), load_mapping(cfg.mapping))
     checks = _checks(src, cfg.label_delay_days)
     frame = _flag_duplicates(src.read(lambda: _parse(src, checks, cfg.label_delay_days)), checks)  # pass 1
     flags = [c.flag for c in checks]
@@ -146,95 +104,11 @@ def ingest(cfg: IngestConfig) -> IngestReport:
     return report
 
 
-@dataclass(frozen=True)
-class _Input:
-    path: Path
-    format: str
-    mapping: Mapping
-    schema: dict[str, pl.DataType]  # source column -> type (NDJSON keys: String)
-    present: dict[str, str]  # canonical -> source, for the columns this file fills
-
-    @property
-    def name(self) -> str:
-        return str(self.path)
-
-    @property
-    def written(self) -> dict[str, str]:
-        """canonical -> source column, for every column ingest writes: the present ones, and label_ts when it
-        is ts + label_delay_days (its messages quote the ts)."""
-        if "is_fraud" in self.present and "label_ts" not in self.present:
-            return self.present | {"label_ts": self.present["ts"]}
-        return self.present
-
-    @property
-    def sources(self) -> list[str]:
-        return list(dict.fromkeys(self.present.values()))
-
-    @classmethod
-    def open(cls, path: Path, mapping: Mapping) -> "_Input":
-        fmt = mapping.input_format(path)
-        src = cls(path, fmt, mapping, {}, {})
-        schema = src.read(lambda: mapping.source_columns(path, fmt))
-        return cls(path, fmt, mapping, schema, _present_columns(src, schema))
-
-    def scan(self, sources: list[str]) -> pl.LazyFrame:
-        return self.mapping.scan(self.path, self.format, sources, ROW)
-
-    def read(self, read):
-        """Run `read`, turning errors of the file itself into an IngestError that names it."""
-        try:
-            return read()
-        except (FileNotFoundError, SourceError) as exc:
-            raise IngestError(f"{self.path}: {exc}", IngestReport(self.name, self.format)) from exc
-        # Ragged lines, bad encoding, broken quotes or JSON; errors in the plan built from the file are bugs.
-        except (pl.exceptions.ComputeError, pl.exceptions.NoDataError, OSError, UnicodeError) as exc:
-            said = f"cannot be read as {self.format}: {exc}"
-            if not isinstance(exc, OSError):  # OSError: the file, not its text (a directory, no permission)
-                said = unreadable(self.path, self.mapping, self.format, str(exc))
-            raise IngestError(f"{self.path}: {said}", IngestReport(self.name, self.format)) from exc
-
-    def location(self, row0: pl.Expr, line: pl.Expr) -> pl.Expr:
-        """'row R (line L)': R counts data rows from 1, L is the line of a CSV file the row starts on."""
-        row = pl.format("row {}", row0.cast(pl.Int64) + 1)
-        if self.format != "csv":
-            return row
-        return pl.coalesce(pl.format("{} (line {})", row, line), row)  # line is null where none was found
-
-
-def _present_columns(src: _Input, schema: dict[str, pl.DataType]) -> dict[str, str]:
-    mapping = src.mapping
-    missing = [(c, s) for c, s in mapping.columns.items() if s not in schema]
-    if missing:
-        examples = tuple(
-            f'{src.path} has no column "{s}", which {mapping.path} maps to canonical column {c}'
-            for c, s in missing
-        )
-        columns = ", ".join(f"{s} -> {c}" for c, s in missing)
-        report = IngestReport(
-            src.name, src.format, problems=(Problem("missing column", columns, len(missing), examples),)
-        )
-        found = [f"the file's columns are {listed(list(schema))}"]
-        if any("\ufffd" in name for name in schema):  # polars reads a header that is not UTF-8 as best it can
-            found += filter(None, [not_utf8(src.path, mapping, src.format)])
-        raise IngestError("\n".join([*examples, *found]), report)
-    present = dict(mapping.columns) | {c: s for c, s in mapping.optional_columns.items() if s in schema}
-    report = IngestReport(src.name, src.format)
-    if "label_ts" in present and "is_fraud" not in present:
-        raise IngestError(
-            f"{src.path} has label_ts ({present['label_ts']}) but no is_fraud column for it", report
-        )
-    for c, s in present.items():
-        if schema[s].is_nested():
-            nested = cut(str(schema[s]))
-            raise IngestError(f'{src.path}: column "{s}" -> {c} holds nested values ({nested})', report)
-    return present
-
-
 def _raw(canonical: str) -> str:
     return f"__raw_{canonical}"
 
 
-def _parse(src: _Input, checks: list[_Check], label_delay_days: float) -> pl.DataFrame:
+def _parse(src: IngestInput, checks: list[_Check], label_delay_days: float) -> pl.DataFrame:
     """Pass 1: (N rows) ROW, the canonical columns, and one flag per check evaluated row by row."""
     parsed = []
     for c, s in src.present.items():
@@ -286,7 +160,7 @@ def _flag_duplicates(frame: pl.DataFrame, checks: list[_Check]) -> pl.DataFrame:
     ).with_columns(pl.col(DUP_OF).is_not_null().alias(duplicate.flag))
 
 
-def _checks(src: _Input, label_delay_days: float) -> list[_Check]:
+def _checks(src: IngestInput, label_delay_days: float) -> list[_Check]:
     """The rules of pipeline/data/rules.py over the columns ingest writes, each with the words that explain a
     failing row from its source text; then the duplicate check, which ingest makes its own way (it keeps one
     row of each id)."""
@@ -326,7 +200,7 @@ _UNREAD = {
 }
 
 
-def _problem(src: _Input, rule: Rule, label_delay_days: float) -> pl.Expr:
+def _problem(src: IngestInput, rule: Rule, label_delay_days: float) -> pl.Expr:
     """Pass 2's words for a row that breaks `rule`: what is wrong with its source text, what was expected."""
     c, key = rule.column, rule.key
     if key == "empty":
@@ -372,7 +246,7 @@ def _id_problems(ids: pl.Series) -> pl.Series:
     return pl.Series(problems, dtype=pl.String)
 
 
-def _explain(src: _Input, checks: list[_Check], bad: pl.DataFrame, rows_read: int) -> pl.DataFrame:
+def _explain(src: IngestInput, checks: list[_Check], bad: pl.DataFrame, rows_read: int) -> pl.DataFrame:
     """Pass 2: the `bad` rows with their source text and lines, a message column per check, `__reason`
     joining them."""
     if bad.is_empty():  # no need to read the file again
@@ -400,13 +274,12 @@ def _explain(src: _Input, checks: list[_Check], bad: pl.DataFrame, rows_read: in
     return explained.with_columns(messages).with_columns(reason.alias("__reason"))
 
 
-def _with_lines(src: _Input, explained: pl.DataFrame, rows_read: int) -> pl.DataFrame:
+def _with_lines(src: IngestInput, explained: pl.DataFrame, rows_read: int) -> pl.DataFrame:
     """`explained` with LINE and DUP_LINE (CSV): the lines its rows, and the rows they repeat, start on."""
     if src.format != "csv":
         return explained
     rows = pl.concat([explained[ROW], explained[DUP_OF].drop_nulls()]).unique().sort()
-    lines = src.read(lambda: data_lines(src.path, src.mapping.csv, rows.to_list(), rows_read))
-    found = pl.DataFrame({ROW: rows, LINE: pl.Series(lines, dtype=pl.Int64)})
+    found = pl.DataFrame({ROW: rows, LINE: src.lines(rows, rows_read)})
     dup_found = found.rename({ROW: DUP_OF, LINE: DUP_LINE})
     return explained.join(found, on=ROW, how="left", maintain_order="left").join(
         dup_found, on=DUP_OF, how="left", maintain_order="left"
@@ -414,7 +287,7 @@ def _with_lines(src: _Input, explained: pl.DataFrame, rows_read: int) -> pl.Data
 
 
 def _problems(
-    src: _Input, checks: list[_Check], explained: pl.DataFrame, counts: dict
+    src: IngestInput, checks: list[_Check], explained: pl.DataFrame, counts: dict
 ) -> tuple[Problem, ...]:
     located = explained.with_columns(src.location(pl.col(ROW), pl.col(LINE)).alias("__where"))
     problems = []
@@ -427,7 +300,7 @@ def _problems(
     return tuple(problems)
 
 
-def _quarantine_frame(src: _Input, explained: pl.DataFrame) -> pl.DataFrame:
+def _quarantine_frame(src: IngestInput, explained: pl.DataFrame) -> pl.DataFrame:
     """row, line (CSV), the mapped source columns as text, and the reason naming every problem of the row."""
     columns = [(pl.col(ROW).cast(pl.Int64) + 1).alias("row")]
     if src.format == "csv":
@@ -438,7 +311,7 @@ def _quarantine_frame(src: _Input, explained: pl.DataFrame) -> pl.DataFrame:
     return explained.select(*columns, pl.col("__reason").alias("reason"))
 
 
-def _metadata_source(src: _Input, cfg: IngestConfig, report: IngestReport) -> dict:
+def _metadata_source(src: IngestInput, cfg: IngestConfig, report: IngestReport) -> dict:
     if "label_ts" in src.present:
         label_ts = f"input column {src.present['label_ts']}"
     else:
