@@ -2,10 +2,12 @@
 
 Two lazy, streamed passes over the input:
 1. parse every mapped column and evaluate every check; collect only the canonical columns and one boolean
-   per check (CSV is read as text, so a bad value fails its row, not the whole read);
+   per check (CSV is read as text, so a bad value fails its row, not the whole read). A CSV row whose last
+   field is empty is then counted in the file's text, as polars cannot tell it from a row short of fields;
 2. only when some rows failed: read those rows again as the source's own text, to quote them in the messages
    and to write them to quarantine.parquet.
-A clean file is therefore read once, and the source text of good rows is never held in memory.
+A clean file is therefore read once (and its rows that end empty once more, as text), and the source text of
+good rows is never held in memory.
 Source columns the mapping does not name are ignored.
 """
 
@@ -17,7 +19,7 @@ import polars as pl
 
 from pipeline.data.dataset import QUARANTINE_FILE, write_dataset
 from pipeline.data.ids import id_problem
-from pipeline.data.ingest_input import ROW, IngestInput
+from pipeline.data.ingest_input import ENDS_EMPTY, FIELDS, ROW, IngestInput
 from pipeline.data.ingest_report import IngestError, IngestReport, Problem
 from pipeline.data.mapping import MappingError, load_mapping
 from pipeline.data.rules import ID_EXPECTED, TIMESTAMP_COLUMNS, Rule, value_rules
@@ -30,6 +32,8 @@ DUP_OF = "__txs_dup_of"  # ROW of the row whose event_id this one repeats (see _
 DUP_OF_VALID = "__txs_dup_of_valid"  # whether that row is otherwise valid, so the one kept
 LINE = "__txs_line"  # the line of a CSV file the row starts on (pass 2 only, see _with_lines)
 DUP_LINE = "__txs_dup_line"  # the line of row DUP_OF
+SHORT = "__bad_row_short"  # the flag of a CSV row with fewer fields than the header
+DUPLICATE = "__bad_event_id_duplicate"  # the flag of a row that repeats an event_id (see _flag_duplicates)
 
 
 @dataclass(frozen=True)
@@ -54,17 +58,17 @@ class IngestConfig:
 class _Check:
     flag: str  # boolean column: True where the row fails
     title: str
-    canonical: str
-    source: str
+    column: str  # e.g. "TX_AMOUNT -> amount"
     failed: pl.Expr | None  # over raw and parsed columns in pass 1; None: computed on the collected frame
-    problem: pl.Expr  # over the raw text in pass 2: what is wrong and what was expected
+    message: pl.Expr  # over the raw text in pass 2: where, what is wrong and what was expected
 
 
 def ingest(cfg: IngestConfig) -> IngestReport:
     """Read cfg.input through cfg.mapping and write a dataset to cfg.out; raise IngestError on bad input."""
     src = IngestInput.open(Path(cfg.input), load_mapping(cfg.mapping))
     checks = _checks(src, cfg.label_delay_days)
-    frame = _flag_duplicates(src.read(lambda: _parse(src, checks, cfg.label_delay_days)), checks)  # pass 1
+    frame = src.read(lambda: _parse(src, checks, cfg.label_delay_days))  # pass 1
+    frame = _flag_rows(src, frame, checks)
     flags = [c.flag for c in checks]
     bad = pl.any_horizontal(flags)
     counts = frame.select(*(pl.col(f).sum() for f in flags), bad.sum().alias("__any")).row(0, named=True)
@@ -135,29 +139,43 @@ def _parse(src: IngestInput, checks: list[_Check], label_delay_days: float) -> p
     canonical = [c for c in TRANSACTION_SCHEMA if c in src.present or (c == "label_ts" and defaulted)]
     row_checks = [c for c in checks if c.failed is not None]
     return (
-        src.scan(src.sources)
-        .select(ROW, *(pl.col(s).alias(_raw(c)) for c, s in src.present.items()))
+        src.scan_rows()
+        .select(ROW, ENDS_EMPTY, *(pl.col(s).alias(_raw(c)) for c, s in src.present.items()))
         .with_columns(parsed)
         .with_columns(defaulted)
         .with_columns(c.failed.fill_null(False).alias(c.flag) for c in row_checks)
-        .select(ROW, *canonical, *(c.flag for c in row_checks))
+        .select(ROW, ENDS_EMPTY, *canonical, *(c.flag for c in row_checks))
         .collect(engine="streaming")
     )
 
 
-def _flag_duplicates(frame: pl.DataFrame, checks: list[_Check]) -> pl.DataFrame:
+def _flag_rows(src: IngestInput, frame: pl.DataFrame, checks: list[_Check]) -> pl.DataFrame:
+    """`frame` with the flags pass 1 cannot set: short rows, then duplicates. A short row is flagged short
+    only: its other problems would be those of the fields it lacks. One query: eager steps would each copy
+    the frame's columns (about 100 MB at 1.8M rows)."""
+    short = src.short_rows(frame[ROW].filter(frame[ENDS_EMPTY]), frame.height)  # one column, not all
+    flagged = frame.lazy().drop(ENDS_EMPTY)
+    if short.is_empty():  # a clean file: no join over every row
+        flagged = flagged.with_columns(pl.lit(None, pl.Int64).alias(FIELDS), pl.lit(False).alias(SHORT))
+    else:
+        flagged = flagged.join(short.lazy(), on=ROW, how="left", maintain_order="left")
+        flagged = flagged.with_columns(pl.col(FIELDS).is_not_null().alias(SHORT))
+    flagged = _flag_duplicates(flagged, checks)
+    return flagged.with_columns(pl.col(c.flag) & ~pl.col(SHORT) for c in checks if c.flag != SHORT).collect()
+
+
+def _flag_duplicates(frame: pl.LazyFrame, checks: list[_Check]) -> pl.LazyFrame:
     """Flag every row that repeats an event_id, but one: the first row with that id that has no other
     problem, so that one is written (in quarantine mode), or, when every row with the id has a problem, the
     first. DUP_OF is that row. Judged before the others, a duplicate of a bad row would be set aside with it
     and the id lost altogether."""
-    (duplicate,) = (c for c in checks if c.failed is None)
-    valid = ~pl.any_horizontal(c.flag for c in checks if c.failed is not None)
+    valid = ~pl.any_horizontal(c.flag for c in checks if c.flag != DUPLICATE)
     first_valid = pl.when(valid).then(pl.col(ROW)).min().over("event_id")
     keeper = pl.coalesce(first_valid, pl.col(ROW).min().over("event_id"))
     return frame.with_columns(
         pl.when(~pl.col("__bad_event_id_empty") & (pl.col(ROW) != keeper)).then(keeper).alias(DUP_OF),
         first_valid.is_not_null().alias(DUP_OF_VALID),
-    ).with_columns(pl.col(DUP_OF).is_not_null().alias(duplicate.flag))
+    ).with_columns(pl.col(DUP_OF).is_not_null().alias(DUPLICATE))
 
 
 def _checks(src: IngestInput, label_delay_days: float) -> list[_Check]:
@@ -170,7 +188,9 @@ def _checks(src: IngestInput, label_delay_days: float) -> list[_Check]:
             continue  # label_ts = ts + label_delay_days: null only where ts is, never before it
         title = _UNREAD.get(rule.column, rule.title) if rule.key == "missing" else rule.title
         problem = _problem(src, rule, label_delay_days)
-        checks.append(_Check(rule.flag, title, rule.column, src.written[rule.column], rule.failed, problem))
+        checks.append(
+            _value_check(rule.flag, title, rule.column, src.written[rule.column], rule.failed, problem)
+        )
     # Needs every row's event_id at once, so it is evaluated on the collected frame (failed=None).
     kept = pl.when(pl.col(DUP_OF_VALID)).then(pl.lit(", the first row with it and no other problem"))
     problem = pl.format(
@@ -178,17 +198,34 @@ def _checks(src: IngestInput, label_delay_days: float) -> list[_Check]:
         src.location(pl.col(DUP_OF), pl.col(DUP_LINE)),
         kept.otherwise(pl.lit("")),
     )
-    checks.append(
-        _Check(
-            "__bad_event_id_duplicate",
-            "duplicate event_id",
-            "event_id",
-            src.present["event_id"],
-            None,
-            problem,
-        )
+    duplicate = _value_check(
+        DUPLICATE, "duplicate event_id", "event_id", src.present["event_id"], None, problem
     )
+    checks += [duplicate, _short_row_check(src)]
     return checks
+
+
+def _value_check(
+    flag: str, title: str, canonical: str, source: str, failed: pl.Expr | None, problem: pl.Expr
+) -> _Check:
+    """A check of a column's value, whose message quotes the value as the source wrote it."""
+    shown = cut_column(pl.col(_raw(canonical)).fill_null(""))
+    message = pl.format('column {} -> {}: value "{}" {}', pl.lit(source), pl.lit(canonical), shown, problem)
+    return _Check(flag, title, f"{source} -> {canonical}", failed, message)
+
+
+def _short_row_check(src: IngestInput) -> _Check:
+    """A CSV row with fewer fields than the header, which polars reads as nulls in the fields it lacks;
+    _flag_rows sets it (never for Parquet or NDJSON, whose records name their fields)."""
+    width, header = len(src.schema), src.header
+    blank = pl.lit(f"is blank and {header} has {width} fields; expected {width} (delete the line)")
+    short = pl.format(
+        f"has {{}} fields and {header} has {width}; expected {width} (is the line cut short, or a field with "
+        "a line break not quoted?)",
+        pl.col(FIELDS),
+    )
+    message = pl.when(pl.col(FIELDS) == 0).then(blank).otherwise(short)
+    return _Check(SHORT, "short row", f"{header} has {width} fields", None, message)
 
 
 # A value the rules call missing (null) was, in a source file, empty or not readable as its column's kind.
@@ -260,16 +297,11 @@ def _explain(src: IngestInput, checks: list[_Check], bad: pl.DataFrame, rows_rea
                 .collect(engine="streaming")
             )
         )
-    explained = raw.join(bad.select(ROW, DUP_OF, DUP_OF_VALID, *(c.flag for c in checks)), on=ROW).sort(ROW)
+    flags = bad.select(ROW, FIELDS, DUP_OF, DUP_OF_VALID, *(c.flag for c in checks))
+    explained = raw.join(flags, on=ROW).sort(ROW)
     explained = _with_lines(src, explained, rows_read)
     explained = explained.with_columns(pl.col(s).alias(_raw(c)) for c, s in src.written.items())
-    messages = []
-    for c in checks:
-        shown = cut_column(pl.col(_raw(c.canonical)).fill_null(""))
-        message = pl.format(
-            'column {} -> {}: value "{}" {}', pl.lit(c.source), pl.lit(c.canonical), shown, c.problem
-        )
-        messages.append(pl.when(pl.col(c.flag)).then(message).alias(f"__msg{c.flag}"))
+    messages = [pl.when(pl.col(c.flag)).then(c.message).alias(f"__msg{c.flag}") for c in checks]
     reason = pl.concat_str([f"__msg{c.flag}" for c in checks], separator=" | ", ignore_nulls=True)
     return explained.with_columns(messages).with_columns(reason.alias("__reason"))
 
@@ -296,7 +328,7 @@ def _problems(
             first = located.filter(pl.col(c.flag)).head(EXAMPLES_PER_PROBLEM)
             where, message = first["__where"], first[f"__msg{c.flag}"]
             examples = tuple(f"{src.path} {w}, {m}" for w, m in zip(where, message, strict=True))
-            problems.append(Problem(c.title, f"{c.source} -> {c.canonical}", counts[c.flag], examples))
+            problems.append(Problem(c.title, c.column, counts[c.flag], examples))
     return tuple(problems)
 
 

@@ -1,4 +1,5 @@
-"""The file ingest reads: its format, columns and lazy scans, the errors that name it, and where a row is."""
+"""The file ingest reads: its format, columns and lazy scans, the errors that name it, where a row is, and
+which CSV rows hold fewer fields than the header."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -7,9 +8,11 @@ import polars as pl
 
 from pipeline.data.ingest_report import IngestError, IngestReport, Problem
 from pipeline.data.mapping import Mapping, SourceError
-from pipeline.data.source_text import cut, data_lines, listed, not_utf8, unreadable
+from pipeline.data.source_text import cut, data_lines, field_counts, listed, not_utf8, unreadable
 
 ROW = "__txs_row"  # 0-based data row, from the scan's row index
+ENDS_EMPTY = "__txs_ends_empty"  # whether the row's last field is empty or missing (CSV; see scan_rows)
+FIELDS = "__txs_fields"  # how many fields a row shorter than the header holds (see short_rows)
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,7 @@ class IngestInput:
     path: Path
     format: str
     mapping: Mapping
-    schema: dict[str, pl.DataType]  # source column -> type (NDJSON keys: String)
+    schema: dict[str, pl.DataType]  # source column -> type, in the file's order (NDJSON keys: String)
     present: dict[str, str]  # canonical -> source, for the columns this file fills
 
     @property
@@ -36,6 +39,11 @@ class IngestInput:
     def sources(self) -> list[str]:
         return list(dict.fromkeys(self.present.values()))
 
+    @property
+    def header(self) -> str:
+        """What sets how many fields a CSV row holds, as a message names it."""
+        return "the header" if self.mapping.csv.has_header else "the first record"
+
     @classmethod
     def open(cls, path: Path, mapping: Mapping) -> "IngestInput":
         fmt = mapping.input_format(path)
@@ -45,6 +53,15 @@ class IngestInput:
 
     def scan(self, sources: list[str]) -> pl.LazyFrame:
         return self.mapping.scan(self.path, self.format, sources, ROW)
+
+    def scan_rows(self) -> pl.LazyFrame:
+        """ROW, the mapped source columns and ENDS_EMPTY. A CSV row short of fields ends empty: polars fills
+        what it lacks with nulls, as it does an empty field, so short_rows tells the two apart."""
+        if self.format != "csv":
+            return self.scan(self.sources).with_columns(pl.lit(False).alias(ENDS_EMPTY))
+        last = list(self.schema)[-1]
+        ends_empty = pl.col(last).is_null().alias(ENDS_EMPTY)
+        return self.scan(list(dict.fromkeys([*self.sources, last]))).select(ROW, *self.sources, ends_empty)
 
     def read(self, read):
         """Run `read`, turning errors of the file itself into an IngestError that names it."""
@@ -70,6 +87,12 @@ class IngestInput:
         """[N] the line of a CSV file each of `rows` (ascending) starts on; null where none was found."""
         lines = self.read(lambda: data_lines(self.path, self.mapping.csv, rows.to_list(), rows_read))
         return pl.Series(lines, dtype=pl.Int64)
+
+    def short_rows(self, ends_empty: pl.Series, rows_read: int) -> pl.DataFrame:
+        """ROW and FIELDS of the rows among `ends_empty` (ascending) that hold fewer fields than the header."""
+        counts = self.read(lambda: field_counts(self.path, self.mapping.csv, ends_empty.to_list(), rows_read))
+        found = pl.DataFrame({ROW: ends_empty, FIELDS: pl.Series(counts, dtype=pl.Int64)})
+        return found.filter(pl.col(FIELDS) < len(self.schema))
 
 
 def _present_columns(src: IngestInput, schema: dict[str, pl.DataType]) -> dict[str, str]:
@@ -101,4 +124,4 @@ def _present_columns(src: IngestInput, schema: dict[str, pl.DataType]) -> dict[s
     return present
 
 
-__all__ = ["ROW", "IngestInput"]
+__all__ = ["ENDS_EMPTY", "FIELDS", "ROW", "IngestInput"]

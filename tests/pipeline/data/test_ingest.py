@@ -299,6 +299,67 @@ def test_quarantine_keeps_good_rows_and_explains_the_rest(tmp_path):
     assert "7 quarantined" in report.format()
 
 
+# Row 2 lacks only the optional category, row 3 the amount too, row 4 is blank; row 5 has all six fields, its
+# category empty, which polars reads as it reads the fields row 2 lacks.
+SHORT_CSV = """
+event_id,account_id,terminal_id,ts,amount,category
+a,x,t,2024-01-01,1,food
+b,x,t,2024-01-01,1
+c,x,t,2024-01-01
+
+e,x,t,2024-01-01,2,
+"""
+
+
+def test_a_row_short_of_fields_is_named_by_its_line_not_filled_with_nulls(tmp_path):
+    csv = write(tmp_path / "short.csv", SHORT_CSV)
+    with pytest.raises(IngestError) as caught:
+        ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out"))
+    cause = "(is the line cut short, or a field with a line break not quoted?)"
+    assert caught.value.report.problem_lines() == [
+        "  short row (the header has 6 fields): 3 rows",
+        f"    {csv} row 2 (line 3), has 5 fields and the header has 6; expected 6 {cause}",
+        f"    {csv} row 3 (line 4), has 4 fields and the header has 6; expected 6 {cause}",
+        f"    {csv} row 4 (line 5), is blank and the header has 6 fields; expected 6 (delete the line)",
+    ]  # and not "amount not a number" or "empty id": the row lacks those fields
+    assert not (tmp_path / "out").exists()
+
+    report = ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out", on_invalid="quarantine"))
+    assert (report.rows_written, report.rows_quarantined) == (2, 3)
+    assert read_dataset(tmp_path / "out").select("event_id", "category").rows() == [
+        ("a", "food"),
+        ("e", None),
+    ]
+    quarantine = pl.read_parquet(tmp_path / "out" / QUARANTINE_FILE)
+    assert quarantine.select("row", "line", "event_id").rows() == [(2, 3, "b"), (3, 4, "c"), (4, 5, None)]
+    assert quarantine["reason"][0] == f"has 5 fields and the header has 6; expected 6 {cause}"
+    assert read_metadata(tmp_path / "out")["source"]["problems"] == {"short row (the header has 6 fields)": 3}
+
+
+def test_a_short_row_is_only_short_and_leaves_its_event_id_to_a_full_row(tmp_path):
+    csv = write(
+        tmp_path / "short.csv",
+        "event_id,account_id,terminal_id,ts,amount\na,x,t,2024-01-01\na,x,t,2024-01-01,1\n",
+    )
+    report = ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out", on_invalid="quarantine"))
+    assert [(p.title, p.rows) for p in report.problems] == [("short row", 1)]  # not a duplicate too
+    assert read_dataset(tmp_path / "out")["amount"].to_list() == [1.0]
+
+
+def test_a_short_row_without_a_header_is_measured_against_the_first_record(tmp_path):
+    csv = write(tmp_path / "short.csv", "a;x;t;2024-01-01;1\nb;x;t;2024-01-01;1\nc;x;t\n")
+    mapping = mapping_file(
+        tmp_path,
+        """
+columns: {event_id: column_0, account_id: column_1, terminal_id: column_2, ts: column_3, amount: column_4}
+csv: {separator: ";", has_header: false}
+""",
+    )
+    with pytest.raises(IngestError) as caught:
+        ingest(IngestConfig(csv, mapping, tmp_path / "out"))
+    assert f"{csv} row 3 (line 3), has 3 fields and the first record has 5; expected 5" in str(caught.value)
+
+
 def test_label_ts_before_ts_is_reported(tmp_path):
     path = write(
         tmp_path / "e.ndjson",

@@ -154,6 +154,14 @@ def test_rows_after_a_field_with_line_breaks_are_named_by_the_line_they_start_on
     assert quarantine.select("row", "line").rows() == [(2, 7), (4, 10)]
 
 
+def test_a_short_row_is_named_by_its_line_after_a_field_with_line_breaks(tmp_path):
+    csv = write_bytes(
+        tmp_path / "t.csv",
+        (HEADER + 'a,x,t,2024-01-01,1,"two\nlines"\n' + "b,x,t,2024-01-01,1\n" + ROW.format("c")).encode(),
+    )
+    assert f"{csv} row 2 (line 4), has 5 fields and the header has 6; expected 6" in ingest_error(csv)
+
+
 @pytest.mark.parametrize(
     ("rows", "fields"),
     [
