@@ -22,6 +22,7 @@ from typing import TextIO
 
 import polars as pl
 
+import configs
 from pipeline.data.mapping import CsvOptions, Mapping
 
 SHOWN_ITEMS = 5  # a list in a message shows this many items, then "... and N more"
@@ -85,7 +86,12 @@ def not_utf8(path: Path, mapping: Mapping, fmt: str) -> str | None:
     if bad is None:
         return None
     converted = path.with_suffix(".utf8" + path.suffix)
-    lossy = f", or set `csv: {{encoding: utf8-lossy}}` in {mapping.path} to read such bytes as U+FFFD"
+    where = (  # a packaged profile lives inside the installed package: a copy is the user's to change
+        f"a copy of {mapping.path} passed as --mapping"
+        if mapping.path.parent == configs.packaged("data")
+        else str(mapping.path)
+    )
+    lossy = f", or set `csv: {{encoding: utf8-lossy}}` in {where} to read such bytes as U+FFFD"
     return (
         f"{bad}; the file must be UTF-8 text. Convert it, e.g. `iconv -f WINDOWS-1252 -t UTF-8 {path} > "
         f"{converted}` (with the encoding it was written in){lossy if fmt == 'csv' else ''}"
@@ -95,6 +101,7 @@ def not_utf8(path: Path, mapping: Mapping, fmt: str) -> str | None:
 def first_non_utf8(path: Path) -> BadByte | None:
     """Where `path` first breaks UTF-8; None when all of it is UTF-8."""
     line, column, offset, carry = 1, 1, 0, b""
+    leading = True  # no character read yet: a byte-order mark there takes no column an editor shows
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK_BYTES):
             data, start = carry + chunk, offset - len(carry)
@@ -106,6 +113,8 @@ def first_non_utf8(path: Path) -> BadByte | None:
                 # A character cut by the chunk's end is read whole with the next chunk.
                 if error.end == len(data) and error.reason == "unexpected end of data":
                     bad, carry = None, data[error.start :]
+            if leading and good:
+                good, leading = good.removeprefix("\ufeff"), False
             line += good.count("\n")
             column = len(good) - good.rfind("\n") if "\n" in good else column + len(good)
             if bad is not None:

@@ -36,6 +36,9 @@ def test_a_byte_that_is_not_utf8_is_named_by_line_column_and_offset_with_what_to
         f"{csv}: line 3, column 23 (byte 97 of the file) holds 0xE9, which is not UTF-8"
     )
     assert "iconv -f WINDOWS-1252 -t UTF-8" in message and "csv: {encoding: utf8-lossy}" in message
+    assert (
+        f"in a copy of {CONFIGS / 'canonical.yaml'} passed as --mapping" in message
+    )  # not the package's file
     # The setting it offers works: the byte is read as U+FFFD, and the rest of the file as it is.
     mapping = tmp_path / "lossy.yaml"
     mapping.write_text((CONFIGS / "canonical.yaml").read_text() + "csv: {encoding: utf8-lossy}\n")
@@ -58,6 +61,8 @@ def test_an_ndjson_byte_that_is_not_utf8_is_named_by_line(tmp_path):
         "\U0001f600".encode() * 5 + b"\n\xff",
         "\u00e9".encode() * 9 + b"\xc3",  # the file ends inside a character
         b"\n\n\x80" + b"a" * 40,
+        "\ufeffab\xe9".encode()[:-2] + b"\xe9",  # a byte-order mark takes no column
+        "\ufeffa\nb".encode() + b"\xff",
     ],
 )
 @pytest.mark.parametrize("chunk_bytes", [1, 3, 7, 1 << 20])
@@ -70,7 +75,7 @@ def test_the_first_bad_byte_is_found_across_chunk_boundaries(data, chunk_bytes, 
     except UnicodeDecodeError as error:
         before = data[: error.start]
         line_start = before.rfind(b"\n") + 1
-        column = len(before[line_start:].decode()) + 1
+        column = len(before[line_start:].decode().removeprefix("\ufeff" if line_start == 0 else "")) + 1
         assert (found.offset, found.line, found.column) == (error.start, before.count(b"\n") + 1, column)
         assert found.value == data[error.start]
 
