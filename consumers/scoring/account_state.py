@@ -33,7 +33,8 @@ import torch
 
 from models.contract import RecurrentDetector
 from pipeline.features.definitions import FEATURE_VERSION
-from pipeline.features.state import ACCOUNT_STATE, MAX_TS_US, record_fault, record_faults
+from pipeline.features.record_checks import record_fault, record_faults
+from pipeline.features.state import ACCOUNT_STATE, MAX_TS_US
 from pipeline.features.state import STATE_VERSION as FEATURIZER_STATE_VERSION
 
 MAGIC = b"TXSA"
@@ -138,8 +139,9 @@ def encode_account_records(
 
 class CorruptRecordError(ValueError):
     """An account state record of this model and version that holds what no events give (a NaN, a day out
-    of range, a position no event had, a truncated payload): its account can only start again from no
-    history, where a record of another model or version is a deployment to fix."""
+    of range, a sum larger than its count of events allows, a position no event had, a truncated payload):
+    its account can only start again from no history, where a record of another model or version is a
+    deployment to fix."""
 
 
 def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:

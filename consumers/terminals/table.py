@@ -37,7 +37,8 @@ from consumers.runtime.compacted import Reader, read_latest
 from consumers.runtime.topics import TABLE_PARTITIONS
 from consumers.scoring.message_limits import MessageError
 from pipeline.features.definitions import FEATURE_VERSION
-from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable, record_fault, record_faults
+from pipeline.features.record_checks import record_fault, record_faults
+from pipeline.features.state import STATE_VERSION, TERMINAL_STATE, StateTable
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +188,9 @@ def _report_garbage(topic: str, garbage: list[tuple[str, MessageError]]) -> None
 
 def _let_corrupt_records_go(topic: str, table: StateTable) -> None:
     """Leave out the terminal records that no events and labels give (a day past the stream's range, a
-    negative count: pipeline/features/state.py's record_faults), naming the first at ERROR: restored, one
-    would read as garbage ever after, and a day past the range spills into the windows of the other
-    terminals of a batch. Every holder reads the same table, so every one leaves the same terminals out:
+    negative count, a day in another day's bucket: pipeline/features/record_checks.py), naming the first at
+    ERROR: restored, one would read as garbage ever after, and a day past the range spills into the windows
+    of the other terminals of a batch. Every holder reads the same table, so every one leaves the same terminals out:
     their counts start again from the deltas and labels after the table's positions."""
     keys = list(table.slot_of)
     slots = np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))

@@ -49,6 +49,8 @@ def test_a_record_of_another_version_or_layout_is_refused_with_what_to_do():
         ("max_day", 2**31 - 1, "max_day = 2147483647, expected an epoch day"),
         ("report_count", -1, "report_count = -1, expected a count >= 0"),
         ("reported_day", -5, "reported_day = -5, expected an epoch day"),
+        ("day_count", 5, "day_count = 5, expected 0 in an empty bucket"),  # bucket 0 holds no day here
+        ("report_day", 7, r"report_day = 7, expected -1 \(empty\), or a day d in bucket d % 30"),
     ],
 )
 def test_a_table_record_no_events_give_is_left_out_naming_the_terminal(
