@@ -27,9 +27,6 @@ The bounds, and why every fold keeps them:
   (stream.py's _report_once).
 """
 
-import functools
-from collections.abc import Callable
-
 import numpy as np
 
 from pipeline.features.definitions import DAY_US, RING_DAYS
@@ -39,19 +36,27 @@ DAY_EVENTS = 2**31 - 1  # the most events of one day an account is served: its d
 _MOST_EVENTS = (MAX_EPOCH_DAY + 1) * DAY_EVENTS
 _LOG_AMOUNT = float(np.nextafter(np.log1p(MAX_AMOUNT), np.inf))  # L, and the ulp log1p may round up by
 _EPS = float(np.finfo(np.float64).eps)
+_BUCKETS = np.arange(RING_DAYS)
 
 # (field, what of records [N] breaks the bound: [N] or [N, field width] bool, the bound in words)
-Check = tuple[str, Callable[[np.ndarray], np.ndarray], str]
+Fault = tuple[str, np.ndarray, str]
 
 
 def record_faults(records: np.ndarray) -> np.ndarray:
     """[N] whether each record [N] (ACCOUNT_STATE or TERMINAL_STATE) breaks a bound that every fold keeps
     (record_fault says which)."""
     bad = np.zeros(len(records), dtype=bool)
-    with np.errstate(all="ignore"):  # a corrupt record's values may overflow on the way to being refused
-        for _, wrong, _ in _checks(records.dtype):
-            faults = wrong(records)  # [N] or [N, width]; N may be 0
-            bad |= faults.any(axis=tuple(range(1, faults.ndim)))
+    wide: dict[int, np.ndarray] = {}  # faults of fields of one width, joined before one reduction (the cost)
+    for _, wrong, _ in _faults(records):
+        if wrong.ndim == 1:
+            bad |= wrong
+        else:
+            width = wrong.shape[1]
+            wide[width] = (
+                wrong.copy() if width not in wide else np.logical_or(wide[width], wrong, out=wide[width])
+            )
+    for wrong in wide.values():
+        bad |= wrong.any(axis=1)
     return bad
 
 
@@ -59,30 +64,34 @@ def record_fault(record: np.ndarray) -> str | None:
     """What record_faults finds wrong in one record, in words: the first field that breaks a bound, its value
     and the bound; None when nothing."""
     records = record.reshape(1)
-    with np.errstate(all="ignore"):
-        for name, wrong, expected in _checks(record.dtype):
-            at = np.flatnonzero(wrong(records))
-            if len(at):
-                return f"{name} = {records[name].reshape(-1)[at[0]].item()!r}, expected {expected}"
+    for name, wrong, expected in _faults(records):
+        at = np.flatnonzero(wrong)
+        if len(at):
+            return f"{name} = {records[name].reshape(-1)[at[0]].item()!r}, expected {expected}"
     return None
 
 
-@functools.cache
-def _checks(dtype: np.dtype) -> list[Check]:
-    """Every check of a record of `dtype`: each field's range first, then how the fields hold together."""
-    checks = [
-        (name, functools.partial(_out_of_range, name), _range(name, dtype[name])) for name in dtype.names
-    ]
-    checks += _event_ring_checks()
-    if "count" in dtype.names:  # an account
-        checks += _account_checks()
-    if "report_day" in dtype.names:  # a terminal
-        checks += _report_checks()
-    return checks
+def _faults(records: np.ndarray) -> list[Fault]:
+    """Every check of records [N]: each field's range first, then how the fields hold together."""
+    with np.errstate(all="ignore"):  # a corrupt record's values may overflow on the way to being refused
+        days = np.ascontiguousarray(records["day"])  # [N, RING_DAYS]: read by several checks
+        faults = [
+            (
+                name,
+                _out_of_range(name, days if name == "day" else records[name]),
+                _range(name, records.dtype[name]),
+            )
+            for name in records.dtype.names
+        ]
+        faults += _event_ring_faults(records, days)
+        if "count" in records.dtype.names:  # an account
+            faults += _account_faults(records, days)
+        if "report_day" in records.dtype.names:  # a terminal
+            faults += _report_faults(records)
+    return faults
 
 
-def _out_of_range(name: str, records: np.ndarray) -> np.ndarray:
-    values = records[name]
+def _out_of_range(name: str, values: np.ndarray) -> np.ndarray:
     if name == "last_ts_us":
         return (values < 0) | (values > MAX_TS_US)
     if name.endswith("day"):  # max_day and the rings' days: -1 is empty
@@ -102,98 +111,95 @@ def _range(name: str, dtype: np.dtype) -> str:
     return "a finite sum >= 0" if dtype.kind == "f" else "a count >= 0"
 
 
-def _event_ring_checks() -> list[Check]:
+_COUNTED = "0 in an empty bucket (day -1), at least 1 in a bucket holding a day"
+
+
+def _event_ring_faults(r: np.ndarray, days: np.ndarray) -> list[Fault]:
+    max_day = r["max_day"]
+    newest = np.take_along_axis(days, (max_day % RING_DAYS).astype(np.intp)[:, None], axis=1)[:, 0]
     return [
         (
             "day",
-            lambda r: _misplaced(r["day"]) | (r["day"] > r["max_day"][:, None]),
+            _misplaced(days) | (days > max_day[:, None]),
             f"-1 (empty), or a day d <= max_day in bucket d % {RING_DAYS}",
         ),
-        ("max_day", _newest_not_held, "-1 (no event), or the day its bucket of the day ring holds"),
-        ("day_count", lambda r: _miscounted(r["day"], r["day_count"]), _COUNTED),
+        (
+            "max_day",
+            (max_day != -1) & (newest != max_day),
+            "-1 (no event), or the day its bucket of the day ring holds",
+        ),
+        ("day_count", _miscounted(days, r["day_count"]), _COUNTED),
     ]
 
 
-def _account_checks() -> list[Check]:
+def _account_faults(r: np.ndarray, days: np.ndarray) -> list[Fault]:
+    count, max_day = r["count"], r["max_day"].astype(np.int64)
+    gamma = _gamma(count)
+    # A day's count is an int32: its rounding is at most _gamma(DAY_EVENTS), whatever the bucket. An empty
+    # bucket's count is 0 (day_count's check), so its amount is too.
+    day_amounts = r["day_amount"] <= r["day_count"] * (MAX_AMOUNT * (1 + _gamma(np.float64(DAY_EVENTS))))
+    in_ring = r["day_count"].sum(axis=1, dtype=np.int64)
+    sums, squares = r["sum_log_amount"], r["sumsq_log_amount"]
     return [
         (
             "day_amount",
-            lambda r: np.where(
-                r["day"] == -1,
-                r["day_amount"] != 0,
-                ~(r["day_amount"] <= _summed(MAX_AMOUNT, r["day_count"])),
-            ),
-            f"0 in an empty bucket (day -1), else at most day_count x {MAX_AMOUNT:g} (the largest amount)",
+            ~day_amounts,
+            f"at most day_count x {MAX_AMOUNT:g} (the largest amount): 0 in an empty bucket (day -1)",
         ),
         (
             "count",
-            _count_faults,
+            (count < in_ring) | (count > (max_day + 1) * DAY_EVENTS) | ((count == 0) != (max_day == -1)),
             f"at least the events its day ring holds, at most {DAY_EVENTS} a day over days 0..max_day, and 0 "
             "exactly when max_day is -1",
         ),
         (
             "last_ts_us",
-            lambda r: np.where(
-                r["count"] == 0, r["last_ts_us"] != 0, r["last_ts_us"] // DAY_US != r["max_day"]
-            ),
+            np.where(count == 0, r["last_ts_us"] != 0, r["last_ts_us"] // DAY_US != max_day),
             "0 with no events, else a time on day max_day (both the newest event's)",
         ),
         (
             "sum_log_amount",
-            lambda r: ~(r["sum_log_amount"] <= _summed(_LOG_AMOUNT, r["count"])),
+            ~(sums <= count * _LOG_AMOUNT * (1 + gamma)),
             f"at most count x log1p({MAX_AMOUNT:g}) (the largest log-amount)",
         ),
         (
+            # Both sums may round by gamma, the one down, the other up.
             "sumsq_log_amount",
-            _squares_faults,
+            ~(squares * (1 - gamma) <= _LOG_AMOUNT * sums * (1 + gamma)),
             f"at most log1p({MAX_AMOUNT:g}) x sum_log_amount (each log-amount x <= L has x**2 <= L x)",
         ),
-        ("seen_terminals", _seen_faults, "at most count bits set (one an event)"),
+        ("seen_terminals", _seen_faults(r["seen_terminals"], count), "at most count bits set (one an event)"),
     ]
 
 
-def _report_checks() -> list[Check]:
+def _report_faults(r: np.ndarray) -> list[Fault]:
+    report_days = np.ascontiguousarray(r["report_day"])
+    events, remembered = r["reported_event"], r["reported_day"]
     return [
-        (
-            "report_day",
-            lambda r: _misplaced(r["report_day"]),
-            f"-1 (empty), or a day d in bucket d % {RING_DAYS}",
-        ),
-        ("report_count", lambda r: _miscounted(r["report_day"], r["report_count"]), _COUNTED),
+        ("report_day", _misplaced(report_days), f"-1 (empty), or a day d in bucket d % {RING_DAYS}"),
+        ("report_count", _miscounted(report_days, r["report_count"]), _COUNTED),
         (
             "reported_event",
-            lambda r: (r["reported_event"] == 0) != (r["reported_day"] == -1),
+            (events == 0) != (remembered == -1),
             "0 exactly in an empty place (reported_day -1)",
         ),
         (
             "reported_day",
-            _memory_faults,
+            _memory_faults(remembered, events, report_days),
             "-1 (empty), or a label day, in (day, event) order, and at most the day its bucket of the report "
             "ring holds",
         ),
     ]
 
 
-_COUNTED = "0 in an empty bucket (day -1), at least 1 in a bucket holding a day"
-
-
 def _misplaced(days: np.ndarray) -> np.ndarray:
     """[N, RING_DAYS] a day held by another bucket than its own."""
-    return (days != -1) & (days % RING_DAYS != np.arange(RING_DAYS))
+    return (days % RING_DAYS != _BUCKETS) & (days != -1)
 
 
 def _miscounted(days: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    return np.where(days == -1, counts != 0, counts < 1)
-
-
-def _held(ring: np.ndarray, days: np.ndarray) -> np.ndarray:
-    """The day ring [N, RING_DAYS] holds in the bucket of each of days [N, K]."""
-    return np.take_along_axis(ring, (days % RING_DAYS).astype(np.intp), axis=1)
-
-
-def _newest_not_held(r: np.ndarray) -> np.ndarray:
-    max_day = r["max_day"][:, None]
-    return ((max_day != -1) & (_held(r["day"], max_day) != max_day))[:, 0]
+    """A count of 0 where a bucket holds a day, or another where it holds none (counts are >= 0 by range)."""
+    return (days == -1) == (counts != 0)
 
 
 def _gamma(terms: np.ndarray) -> np.ndarray:
@@ -203,36 +209,21 @@ def _gamma(terms: np.ndarray) -> np.ndarray:
     return nu / (1 - nu)
 
 
-def _summed(each: float, terms: np.ndarray) -> np.ndarray:
-    """The most a float64 sum of `terms` values, each at most `each`, comes to."""
-    return terms * each * (1 + _gamma(terms))
-
-
-def _count_faults(r: np.ndarray) -> np.ndarray:
-    count, max_day = r["count"], r["max_day"].astype(np.int64)
-    in_ring = r["day_count"].sum(axis=1, dtype=np.int64)
-    return (count < in_ring) | (count > (max_day + 1) * DAY_EVENTS) | ((count == 0) != (max_day == -1))
-
-
-def _squares_faults(r: np.ndarray) -> np.ndarray:
-    # Both sums may round by gamma, the one down, the other up.
-    gamma = _gamma(r["count"])
-    return ~(r["sumsq_log_amount"] * (1 - gamma) <= _LOG_AMOUNT * r["sum_log_amount"] * (1 + gamma))
-
-
-def _seen_faults(r: np.ndarray) -> np.ndarray:
-    """[N, bytes]: the set bytes of a bitset with more bits set than its account has events."""
-    bits = r["seen_terminals"]
-    too_many = np.bitwise_count(bits).sum(axis=1, dtype=np.int64) > r["count"]
+def _seen_faults(bits: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """[N, bytes]: the set bytes of a bitset [N, bytes] with more bits set than its account has events."""
+    words = np.ascontiguousarray(bits).view(np.uint64)  # 8 popcounts a record rather than 64
+    too_many = np.bitwise_count(words).sum(axis=1, dtype=np.int64) > count
     return (bits != 0) & too_many[:, None]
 
 
-def _memory_faults(r: np.ndarray) -> np.ndarray:
+def _memory_faults(days: np.ndarray, events: np.ndarray, ring: np.ndarray) -> np.ndarray:
     """[N, REMEMBERED_REPORTS]: a remembered report out of (day, event) order, or on a later day than its
-    bucket of the report ring holds."""
-    days, events = r["reported_day"], r["reported_event"]
+    bucket of the report ring [N, RING_DAYS] holds. Only terminals with a report are looked at: the rest
+    hold (-1, 0) everywhere, in order."""
     wrong = np.zeros(days.shape, dtype=bool)
-    wrong[:, 1:] = (days[:, 1:] < days[:, :-1]) | (
-        (days[:, 1:] == days[:, :-1]) & (events[:, 1:] < events[:, :-1])
-    )
-    return wrong | ((days >= 0) & (_held(r["report_day"], days) < days))
+    rows = np.flatnonzero((days != -1).any(axis=1))
+    d, e = days[rows], events[rows]
+    wrong[rows, 1:] = (d[:, 1:] < d[:, :-1]) | ((d[:, 1:] == d[:, :-1]) & (e[:, 1:] < e[:, :-1]))
+    held = np.take_along_axis(ring[rows], (d % RING_DAYS).astype(np.intp), axis=1)
+    wrong[rows] |= (d >= 0) & (held < d)
+    return wrong

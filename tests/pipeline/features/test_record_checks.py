@@ -210,11 +210,11 @@ def _empty(field):
         (_account(_set("sumsq_log_amount", 1e300)), r"sumsq_log_amount = 1e\+300, expected at most log1p"),
         (
             _account(_set("day_amount", 1e300, lambda r: held(r["day"], DAY + 2))),
-            r"day_amount = 1e\+300, expected 0 in an empty bucket \(day -1\), else at most day_count x 1e\+15",
+            r"day_amount = 1e\+300, expected at most day_count x 1e\+15 \(the largest amount\)",
         ),
         (
             _account(_set("day_amount", 5.0, _empty("day"))),
-            r"day_amount = 5.0, expected 0 in an empty bucket",
+            r"day_amount = 5.0, expected .*: 0 in an empty bucket",
         ),
         (_account(_set("count", 2**62)), f"count = {2**62}, expected at least the events its day ring holds"),
         (_account(_set("count", 2)), "count = 2, expected at least the events its day ring holds"),
