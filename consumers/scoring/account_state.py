@@ -274,6 +274,15 @@ def _record_row(detector_bytes: int) -> np.dtype:
     )
 
 
+def events_folded(features: np.ndarray | bytes) -> torch.Tensor:
+    """[N] int64: the events each featurizer record [N] (ACCOUNT_STATE, or one record's bytes) folded, the
+    most its account's detector state can have stepped: the scorer folds every event it steps (a shadow's
+    states, started later, stepped fewer). A restore holds the detector record to it (models/state_codec.py)."""
+    if isinstance(features, bytes):
+        features = np.frombuffer(features, dtype=ACCOUNT_STATE)
+    return torch.from_numpy(np.array(features["count"], dtype=np.int64))  # a copy, its own strides
+
+
 def model_fingerprint(detector: RecurrentDetector) -> bytes:
     """8 bytes identifying detector name, config and weights: the states a model writes are its own."""
     digest = hashlib.sha256(detector.name.encode() + detector.config.fingerprint())
