@@ -10,6 +10,7 @@ models/state_codec.py's.
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -19,6 +20,39 @@ from torch import Tensor, nn
 from models.checks import is_integer, is_number, read_number
 
 State = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class StateFault:
+    """Where a batch of states holds, in one of its tensors, what no sequence of steps writes there."""
+
+    wrong: Tensor  # [B, ...] bool, the tensor's shape
+    expected: str  # what a step writes there, in words
+    bound: Tensor | None = None  # broadcastable to `wrong`: the most |value| a step writes, where it has one
+
+
+def event_count_fault(events: Tensor, most_events: Tensor | None) -> StateFault:
+    """A state's count of events [B]: >= 0, and at most most_events [B] where the caller knows it."""
+    if most_events is None:
+        return StateFault(events < 0, "a count >= 0")
+    most = most_events.to(events)
+    return StateFault(
+        (events < 0) | (events > most), "a count >= 0, at most the events its account had", most
+    )
+
+
+def beyond(value: Tensor, bound: Tensor | float) -> Tensor:
+    """value's shape, bool: |value| > bound, or not a number (NaN fails every comparison). A bound tensor
+    (float64, from the weights) is compared in value's dtype and on its device, rounded up."""
+    if isinstance(bound, Tensor):
+        bound = rounded_up(bound, value)
+    return ~(value.abs() <= bound)
+
+
+def rounded_up(bound: Tensor, like: Tensor) -> Tensor:
+    """bound in like's dtype and on its device, never below what it was."""
+    narrow = bound.to(device=like.device, dtype=like.dtype)
+    return torch.nextafter(narrow, narrow.new_tensor(math.inf)) if bound.dtype != like.dtype else narrow
 
 
 @dataclass(frozen=True)
@@ -155,6 +189,18 @@ class RecurrentDetector(nn.Module):
             scores[positions], state = self.step(x[positions], gather_states(table, index))
             scatter_states(table, index, state)
         return scores
+
+    def state_faults(self, state: State, most_events: Tensor | None = None) -> dict[str, StateFault]:
+        """What no sequence of steps writes into a batch of states [B, ...] (records restored from bytes), by
+        key; most_events [B] int64, where the caller knows it: the most events each state can have stepped.
+        Here what any state keeps: finite floats, counts >= 0. A detector whose layout and weights bound
+        its state tighter says so (its own file): the codec refuses a record that breaks a bound."""
+        return {
+            key: StateFault(~torch.isfinite(value), "a finite value")
+            if value.is_floating_point()
+            else StateFault(value < 0, "a count >= 0")
+            for key, value in state.items()
+        }
 
     @property
     def score_has_gradient(self) -> bool:

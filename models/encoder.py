@@ -1,4 +1,12 @@
-"""Layers every detector shares: the event encoder in front, the score head behind, the Transformers' FFN."""
+"""Layers every detector shares: the event encoder in front, the score head behind, the Transformers' FFN; and
+the most their outputs can be, from their weights, which bounds what a detector's state can hold.
+
+The bounds (all [out] float64, per output unit, for any input) hold for the arithmetic of a dtype with machine
+epsilon `eps`, not only for exact arithmetic: a dot product of n terms rounds by at most about n eps / 2 of
+the sum of its terms' magnitudes (Higham's gamma_n), and each bound adds (n + 4) eps of that sum.
+"""
+
+import math
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +60,11 @@ class EventEncoder(nn.Module):
         h = self.norm(h)
         return h if self.ffn is None else h + self.ffn(h)
 
+    def output_bound(self, eps: float) -> Tensor:
+        """[d_model] the most |forward(x)| can be, for any x: the norm's, whatever went in, plus the FFN's."""
+        normed = layer_norm_bound(self.norm, eps)
+        return normed if self.ffn is None else normed + self.ffn.output_bound(eps)
+
     def _out_of_range(self, bucket: Tensor) -> Tensor:
         return (bucket < 0) | (bucket >= self.buckets)
 
@@ -93,3 +106,60 @@ class FeedForward(nn.Module):
     def forward(self, h: Tensor) -> Tensor:
         out = self.down(torch.relu(self.up(self.norm(h))))
         return dropout(out, self.dropout, self.training)
+
+    def output_bound(self, eps: float) -> Tensor:
+        """[d_model] the most |forward(h)| can be, for any h (in eval mode: dropout scales nothing)."""
+        hidden = normed_linear_bound(self.norm, self.up, eps)  # relu leaves 0..this
+        return linear_bound(self.down.weight, self.down.bias, hidden, eps)
+
+
+def linear_bound(weight: Tensor, bias: Tensor | None, inputs: Tensor, eps: float) -> Tensor:
+    """[out] the most |weight x + bias| can be, weight [out, in], for any x with |x| <= inputs [in]."""
+    total = weight.detach().double().abs() @ inputs.double()
+    if bias is not None:
+        total = total + bias.detach().double().abs()
+    return total * (1 + (weight.shape[1] + 4) * eps)
+
+
+def layer_norm_bound(norm: nn.LayerNorm, eps: float) -> Tensor:
+    """[d] the most |norm(x)| can be, for any x: a normalised value u = (x - mean) / sqrt(var + norm.eps) has
+    sum(u^2) <= d, so |u_m| <= sqrt(d - 1) (one value apart from d - 1 equal ones), times |gamma| plus
+    |beta|."""
+    d = norm.normalized_shape[-1]
+    gamma, beta = _affine(norm)
+    return (gamma.abs() * math.sqrt(d - 1) + beta.abs()) * (1 + (d + 4) * eps)
+
+
+def normed_linear_bound(norm: nn.LayerNorm, linear: nn.Linear, eps: float) -> Tensor:
+    """[out] the most |linear(norm(x))| can be, for any x. norm(x) = gamma u + beta with sum(u^2) <= d
+    (layer_norm_bound), so linear's row w adds at most sqrt(d) ||w gamma||_2 (Cauchy-Schwarz) to the
+    constant w beta + b; or at most layer_norm_bound term by term, whichever is less."""
+    d = norm.normalized_shape[-1]
+    gamma, beta = _affine(norm)
+    weight = linear.weight.detach().double()  # [out, d]
+    bias = torch.zeros(len(weight), dtype=torch.float64, device=weight.device)
+    if linear.bias is not None:
+        bias = linear.bias.detach().double()
+    normed = layer_norm_bound(norm, 0.0)
+    termwise = weight.abs() @ normed + bias.abs()
+    least = torch.minimum(
+        math.sqrt(d) * (weight * gamma).norm(dim=1) + (weight @ beta + bias).abs(), termwise
+    )
+    return least + termwise * 2 * (d + 4) * eps  # the rounding of the norm, then of the dot product
+
+
+def key_value_bound(norm: nn.LayerNorm, qkv: nn.Linear, heads: int) -> tuple[Tensor, Tensor]:
+    """The most |k| and |v| [H, D] of a pre-norm attention block's qkv(norm(h)) ([..., 3, H, D]), any h."""
+    eps = torch.finfo(qkv.weight.dtype).eps
+    _, k, v = normed_linear_bound(norm, qkv, eps).unflatten(0, (3, heads, -1)).unbind(0)
+    return k, v
+
+
+def _affine(norm: nn.LayerNorm) -> tuple[Tensor, Tensor]:
+    """gamma and beta [d] float64 of a LayerNorm, 1 and 0 where it has none."""
+    d = norm.normalized_shape[-1]
+    gamma = torch.ones(d, dtype=torch.float64) if norm.weight is None else norm.weight.detach().double()
+    beta = torch.zeros(d, dtype=torch.float64, device=gamma.device)
+    if norm.bias is not None:
+        beta = norm.bias.detach().double()
+    return gamma, beta

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from models.contract import DetectorConfig, RecurrentDetector, State
+from models.contract import DetectorConfig, RecurrentDetector, State, StateFault
 from models.tree_ensemble import TreeArrays, TreeEnsemble
 
 
@@ -87,6 +87,9 @@ class HybridDetector(RecurrentDetector):
 
     def init_state(self, batch_size: int) -> State:
         return self.base.init_state(batch_size)
+
+    def state_faults(self, state: State, most_events: Tensor | None = None) -> dict[str, StateFault]:
+        return self.base.state_faults(state, most_events)
 
     def forward(
         self, x: Tensor, state: State | None = None, lengths: Tensor | None = None

@@ -33,11 +33,18 @@ from typing import Any, ClassVar, Self
 import torch
 from torch import Tensor, nn
 
-from models.contract import DetectorConfig, RecurrentDetector, State, earlier_occurrences
-from models.encoder import EventEncoder, FeedForward, ScoreHead, dropout
+from models.contract import (
+    DetectorConfig,
+    RecurrentDetector,
+    State,
+    StateFault,
+    earlier_occurrences,
+    event_count_fault,
+)
+from models.encoder import EventEncoder, FeedForward, ScoreHead, dropout, key_value_bound
 from models.linear_attention.parallel import linear_attention_parallel
 from models.linear_attention.recurrent import recurrent_step
-from models.linear_attention.state import LinearAttentionState, update_shares
+from models.linear_attention.state import LinearAttentionState, decayed_mean_faults, update_shares
 
 PHI_FLOOR = 1e-6
 
@@ -225,6 +232,19 @@ class LinearTransformerDetector(RecurrentDetector):
             "z": torch.zeros(batch_size, c.num_layers, c.num_heads, D, **kwargs),
             "events": torch.zeros(batch_size, dtype=torch.long, device=self.device),  # [B] n
         }
+
+    def state_faults(self, state: State, most_events: Tensor | None = None) -> dict[str, StateFault]:
+        """The decayed means against what each layer's weights let phi(k) and v be (linear_attention/state.py's
+        decayed_mean_faults): phi(k) = elu(k) + 1 lies in PHI_FLOOR..1 + |k|, increasing in k."""
+        bounds = [key_value_bound(block.norm, block.qkv, block.heads) for block in self.blocks]
+        phi_k_most = 1 + torch.stack([k for k, _ in bounds])  # [L, H, D]
+        v_most = torch.stack([v for _, v in bounds])  # [L, H, D]
+        eps = max(torch.finfo(self.state_dtype).eps, torch.finfo(self.blocks[0].qkv.weight.dtype).eps)
+        s, z = decayed_mean_faults(
+            state["s"], state["z"], state["events"], (PHI_FLOOR, phi_k_most), v_most, eps
+        )
+        # z before s: a wrong z makes its s's bound wrong too, and is what to name.
+        return {"events": event_count_fault(state["events"], most_events), "z": z, "s": s}
 
     def forward(
         self, x: Tensor, state: State | None = None, lengths: Tensor | None = None

@@ -4,6 +4,13 @@ One nn.LSTM holds the weights. Training runs it over packed sequences (right-pad
 state, and the final (h, c) is each account's state after its own last event); serving runs the same
 parameters one event at a time through torch.lstm_cell, layer by layer (the same math as nn.LSTM, ~25%
 less overhead per call than nn.LSTM over a sequence of one).
+
+What a state can hold (state_faults): h = o tanh(c) with the output gate o in [0, 1], so |h| <= 1. And
+c' = f c + i g with f, i in [0, 1] and |g| <= 1: c moves by at most 1 an event, and shrinks by f. The weights
+bound the gates' pre-activations (the encoder's output and the layer below's h are bounded, models/encoder.py),
+so f <= F < 1 and |i g| <= A per unit, and from c = 0 on, |c| <= A / (1 - F) (cell_bound, rounding included).
+Where F rounds to 1 the float format still bounds c: once |c| is 2^p (p the significand's bits, 2^24 in
+float32), adding at most 1 rounds back to it. And after n events |c| <= n, where the caller knows n.
 """
 
 from dataclasses import dataclass
@@ -13,8 +20,16 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from models.contract import DetectorConfig, RecurrentDetector, State, where_state
-from models.encoder import EventEncoder, ScoreHead, dropout
+from models.contract import (
+    DetectorConfig,
+    RecurrentDetector,
+    State,
+    StateFault,
+    beyond,
+    rounded_up,
+    where_state,
+)
+from models.encoder import EventEncoder, ScoreHead, dropout, linear_bound
 
 
 @dataclass(frozen=True)
@@ -79,3 +94,34 @@ class LSTMDetector(RecurrentDetector):
             cs.append(c)
             inp = dropout(h, self.lstm.dropout, self.training) if layer < last else h
         return self.head(hs[-1]), {"h": torch.stack(hs, 1), "c": torch.stack(cs, 1)}
+
+    def state_faults(self, state: State, most_events: Tensor | None = None) -> dict[str, StateFault]:
+        c = state["c"]
+        cell = rounded_up(self.cell_bound(), c)  # [L, d]
+        if most_events is not None:  # c moves by at most 1 an event, from 0
+            cell = torch.minimum(cell, rounded_up(most_events.double(), c)[:, None, None])  # [B, L, d]
+        return {
+            "h": StateFault(beyond(state["h"], 1.0), "|h| <= 1 (an output gate in [0, 1] times a tanh)"),
+            "c": StateFault(beyond(c, cell), "|c| within what the gates' weights let it reach", cell),
+        }
+
+    def cell_bound(self) -> Tensor:
+        """[L, d] float64: the most |c| reaches from no history, whatever the events (module docstring)."""
+        weights_eps = torch.finfo(self.encoder.norm.weight.dtype).eps
+        eps = max(weights_eps, torch.finfo(self.state_dtype).eps)
+        most = 2 / torch.finfo(self.state_dtype).eps  # 2^p: where adding at most 1 rounds back
+        below = self.encoder.output_bound(weights_eps)  # [d] the first layer's input
+        bounds = []
+        for w_ih, w_hh, b_ih, b_hh in self.lstm.all_weights:
+            h = torch.ones(w_hh.shape[1], dtype=torch.float64, device=below.device)
+            z = linear_bound(w_ih, b_ih, below, weights_eps) + linear_bound(w_hh, b_hh, h, weights_eps)
+            z_i, z_f, z_g, _ = z.chunk(4)  # [d] each: the gates' pre-activations at most, nn.LSTM's order
+            step = torch.sigmoid(z_i) * torch.tanh(z_g)  # the most |i g|
+            # c' = f c + i g, each of its four roundings by at most eps: |c'| <= r (F |c| + A), r = 1 + 4 eps,
+            # whose fixed point is r A / (1 - r F), with 1 - F as sigmoid(-z) (no cancellation).
+            keep = torch.sigmoid(z_f)
+            room = torch.sigmoid(-z_f) - 4 * eps * keep
+            fixed = (1 + 4 * eps) * step / room.clamp(min=torch.finfo(torch.float64).tiny)
+            bounds.append(torch.where(room > 0, fixed.clamp(max=most), most))
+            below = h  # the next layer reads this one's h
+        return torch.stack(bounds)

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from models.contract import RecurrentDetector, State
 
@@ -63,7 +64,7 @@ class StateRecordError(ValueError):
     """A state record this detector cannot load: `row`, its place in the batch decoded, and `reason`; the
     text reads "state record ROW: REASON". `corrupt`: the record is this detector's, but holds values no
     step writes (otherwise it was written by another detector, config or version); `rows`: every row of
-    the batch with the same fault, `row` first."""
+    the batch with such a fault, `row` first."""
 
     def __init__(self, row: int, reason: str, corrupt: bool = False, rows: tuple[int, ...] = ()):
         super().__init__(f"state record {row}: {reason}")
@@ -98,8 +99,11 @@ def encode_state_rows(detector: RecurrentDetector, state: State) -> np.ndarray:
     return np.concatenate([prefix, *columns], axis=1)
 
 
-def decode_state(detector: RecurrentDetector, records: list[bytes]) -> State:
-    """Inverse of encode_state: a batch of len(records) accounts, on the detector's device.
+def decode_state(
+    detector: RecurrentDetector, records: list[bytes], most_events: Tensor | None = None
+) -> State:
+    """Inverse of encode_state: a batch of len(records) accounts, on the detector's device; most_events [B],
+    where the caller knows it: the most events each state can have stepped (decode_state_rows).
 
     Raises ValueError naming the first record that does not match this detector and what to do about it.
     """
@@ -109,14 +113,18 @@ def decode_state(detector: RecurrentDetector, records: list[bytes]) -> State:
         if len(record) != expected or not record.startswith(header):
             raise StateRecordError(i, _mismatch(detector, record, header, expected))
     rows = np.frombuffer(b"".join(records), dtype=np.uint8).reshape(len(records), expected)
-    return decode_state_rows(detector, rows)
+    return decode_state_rows(detector, rows, most_events)
 
 
-def decode_state_rows(detector: RecurrentDetector, rows: np.ndarray) -> State:
+def decode_state_rows(
+    detector: RecurrentDetector, rows: np.ndarray, most_events: Tensor | None = None
+) -> State:
     """decode_state of records laid out as one array [B, record bytes] uint8 (the inverse of
     encode_state_rows): the header check is one comparison for the whole batch, not one per record.
 
-    Raises ValueError naming the first row that does not match this detector and what to do about it.
+    Raises ValueError naming the first row that does not match this detector and what to do about it;
+    StateRecordError (corrupt) for rows holding what no steps write (detector.state_faults, given
+    most_events [B]: the most events each state can have stepped, where the caller knows it).
     """
     layout, header = _codec(detector)
     expected = len(header) + _payload_bytes(layout)
@@ -130,32 +138,48 @@ def decode_state_rows(detector: RecurrentDetector, rows: np.ndarray) -> State:
     for key, shape, dtype in layout:
         width = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
         chunk = rows[:, offset : offset + width].copy()  # contiguous rows, writable, aligned
-        tensor = torch.from_numpy(chunk).view(dtype).reshape(len(rows), *shape)
-        _check_values(detector, key, tensor)
-        state[key] = tensor.to(detector.device)
+        state[key] = torch.from_numpy(chunk).view(dtype).reshape(len(rows), *shape)
         offset += width
-    return state
+    _refuse_what_no_step_writes(detector, state, most_events)
+    return {key: value.to(detector.device) for key, value in state.items()}
 
 
-def _check_values(detector: RecurrentDetector, key: str, tensor: torch.Tensor) -> None:
-    """Refuse values no step can write: a float that is not finite, or a negative count (the integer
-    tensors count events). Restored, either would make every later score of its account NaN, or raise."""
-    flat = tensor.reshape(len(tensor), -1)  # [B, values]
-    bad = ~torch.isfinite(flat) if tensor.is_floating_point() else flat < 0
-    rows = torch.nonzero(bad.any(dim=1)).flatten()
-    if len(rows):
-        what = (
-            "holds a value that is not finite (NaN or infinity)"
-            if tensor.is_floating_point()
-            else "is negative"
-        )
-        raise StateRecordError(
-            int(rows[0]),
-            f"{detector.name!r} state {key!r} {what}, which no step writes: the record is corrupt; rebuild the "
-            "state by replaying the account's history",
-            corrupt=True,
-            rows=tuple(rows.tolist()),
-        )
+def _refuse_what_no_step_writes(
+    detector: RecurrentDetector, state: State, most_events: Tensor | None
+) -> None:
+    """Raise StateRecordError (corrupt) for the rows of a decoded batch that hold what no sequence of steps
+    writes (the detector's state_faults: a NaN, a negative count, a value beyond the bound its weights
+    give), naming the first row's first such value. Restored, one would make every later score of its
+    account NaN, raise, or stay pinned where no events lead."""
+    with torch.no_grad():
+        faults = detector.state_faults(state, most_events)
+        rows = {key: _rows(fault.wrong) for key, fault in faults.items()}
+        bad = torch.stack(list(rows.values())).any(0) if rows else torch.zeros(0, dtype=torch.bool)
+        if not bad.any():
+            return
+        every = torch.nonzero(bad).flatten().tolist()
+        row = every[0]
+        key = next(key for key, wrong in rows.items() if wrong[row])
+        fault = faults[key]
+        at = tuple(torch.nonzero(fault.wrong[row])[0].tolist())  # the first such value within the record
+        shown = f"{key!r} holds {state[key][row][at].item():.6g}" + (f" at {list(at)}" if at else "")
+        if fault.bound is not None:
+            bound = torch.broadcast_to(fault.bound, fault.wrong.shape)[row][at].item()
+            shown += f", expected {fault.expected} (here {bound:.6g})"
+        else:
+            shown += f", expected {fault.expected}"
+    raise StateRecordError(
+        row,
+        f"{detector.name!r} state {shown}, which no step writes: the record is corrupt; rebuild the state by "
+        "replaying the account's history",
+        corrupt=True,
+        rows=tuple(every),
+    )
+
+
+def _rows(wrong: Tensor) -> Tensor:
+    """[B] whether each row of wrong [B, ...] holds a wrong value."""
+    return wrong if wrong.dim() == 1 else wrong.flatten(1).any(1)
 
 
 def encode_account_state(detector: RecurrentDetector, state: State) -> bytes:
@@ -166,9 +190,11 @@ def encode_account_state(detector: RecurrentDetector, state: State) -> bytes:
     return encode_state(detector, state)[0]
 
 
-def decode_account_state(detector: RecurrentDetector, record: bytes) -> State:
-    """A state of batch 1 from one account's record."""
-    return decode_state(detector, [record])
+def decode_account_state(
+    detector: RecurrentDetector, record: bytes, most_events: Tensor | None = None
+) -> State:
+    """A state of batch 1 from one account's record; most_events [1]: the most events it can have stepped."""
+    return decode_state(detector, [record], most_events)
 
 
 def _mismatch(detector: RecurrentDetector, record: bytes, header: bytes, expected: int) -> str:

@@ -5,7 +5,9 @@ head, no absolute positions), in training as in serving. That makes the per-laye
 and values an exact state: layer l's key at event j depends only on events <= j, computed when j arrived,
 so the cache holds exactly what the banded training mask lets a query see. State per account:
 k, v [L, H, W, D] ring buffers (event i lives in slot i % W) and `events`, the count seen so far — bounded,
-but 2W / (D + 1) times the linear Transformer's (S, Z): 64 KiB against 8.5 KiB at the default size.
+but 2W / (D + 1) times the linear Transformer's (S, Z): 64 KiB against 8.5 KiB at the default size. A slot
+holds a key or value as the block's norm and projection made it, so within the bound their weights give
+(state_faults), and a slot no event has reached yet (slot j while events <= j) holds 0.
 
 Shapes: B accounts, T events, H heads, D head dim, W window, L layers, d = H * D.
 """
@@ -17,8 +19,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from models.contract import DetectorConfig, RecurrentDetector, State
-from models.encoder import EventEncoder, FeedForward, ScoreHead, dropout
+from models.contract import DetectorConfig, RecurrentDetector, State, StateFault, beyond, event_count_fault
+from models.encoder import EventEncoder, FeedForward, ScoreHead, dropout, key_value_bound
 
 # Queries per block of the banded parallel attention: scores are [B, H, block, block + W - 1] rather than
 # [B, H, T, T]. Memory only; results do not depend on it.
@@ -131,6 +133,21 @@ class TransformerDetector(RecurrentDetector):
         zeros = torch.zeros(shape, dtype=self.state_dtype, device=self.device)  # [B, L, H, W, D]
         events = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # [B]
         return {"k": zeros, "v": zeros.clone(), "events": events}
+
+    def state_faults(self, state: State, most_events: Tensor | None = None) -> dict[str, StateFault]:
+        events = state["events"]  # [B]
+        unreached = torch.arange(self.config.window_events, device=events.device) >= events[:, None]  # [B, W]
+        unreached = unreached[:, None, None, :, None]  # [B, 1, 1, W, 1] against [B, L, H, W, D]
+        bounds = zip(
+            *(key_value_bound(block.norm, block.qkv, block.heads) for block in self.blocks), strict=True
+        )
+        faults = {"events": event_count_fault(events, most_events)}
+        for key, per_layer in zip(("k", "v"), bounds, strict=True):
+            most = torch.stack(per_layer)[None, :, :, None, :]  # [1, L, H, 1, D]
+            wrong = torch.where(unreached, state[key] != 0, beyond(state[key], most))
+            expected = f"0 in a slot no event reached, else |{key}| within the bound its block's weights give"
+            faults[key] = StateFault(wrong, expected, most)
+        return faults
 
     def forward(
         self, x: Tensor, state: State | None = None, lengths: Tensor | None = None

@@ -33,7 +33,8 @@ import torch
 
 from models.contract import RecurrentDetector
 from pipeline.features.definitions import FEATURE_VERSION
-from pipeline.features.state import ACCOUNT_STATE, MAX_TS_US, record_fault, record_faults
+from pipeline.features.record_checks import record_fault, record_faults
+from pipeline.features.state import ACCOUNT_STATE, MAX_TS_US
 from pipeline.features.state import STATE_VERSION as FEATURIZER_STATE_VERSION
 
 MAGIC = b"TXSA"
@@ -138,8 +139,9 @@ def encode_account_records(
 
 class CorruptRecordError(ValueError):
     """An account state record of this model and version that holds what no events give (a NaN, a day out
-    of range, a position no event had, a truncated payload): its account can only start again from no
-    history, where a record of another model or version is a deployment to fix."""
+    of range, a sum larger than its count of events allows, a position no event had, a truncated payload):
+    its account can only start again from no history, where a record of another model or version is a
+    deployment to fix."""
 
 
 def decode_account_record(data: bytes, account_id: str = "?") -> AccountRecord:
@@ -271,6 +273,15 @@ def _record_row(detector_bytes: int) -> np.dtype:
             ("detector", np.uint8, (detector_bytes,)),
         ]
     )
+
+
+def events_folded(features: np.ndarray | bytes) -> torch.Tensor:
+    """[N] int64: the events each featurizer record [N] (ACCOUNT_STATE, or one record's bytes) folded, the
+    most its account's detector state can have stepped: the scorer folds every event it steps (a shadow's
+    states, started later, stepped fewer). A restore holds the detector record to it (models/state_codec.py)."""
+    if isinstance(features, bytes):
+        features = np.frombuffer(features, dtype=ACCOUNT_STATE)
+    return torch.from_numpy(np.array(features["count"], dtype=np.int64))  # a copy, its own strides
 
 
 def model_fingerprint(detector: RecurrentDetector) -> bytes:

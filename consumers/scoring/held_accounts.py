@@ -23,11 +23,13 @@ import torch
 
 from consumers.scoring.account_state import (
     RECENT_EVENT_IDS,
+    AccountRecord,
     CorruptRecordError,
     bad_account_records,
     decode_account_record,
     decode_account_records,
     encode_account_records,
+    events_folded,
 )
 from models.state_codec import StateRecordError, decode_account_state, decode_state_rows, encode_state_rows
 from pipeline.features.state import ACCOUNT_STATE
@@ -143,18 +145,16 @@ class HeldAccounts:
         """
         record = decode_account_record(data, account_id)
         try:
-            state = decode_account_state(self.detector, record.detector)  # [1, ...]
+            state = decode_account_state(self.detector, record.detector, events_folded(record.features))
         except StateRecordError as error:
-            refused = CorruptRecordError if error.corrupt else ValueError
-            raise refused(f"account state record of {account_id!r}: {error.reason}") from None
+            if not error.corrupt:
+                raise ValueError(f"account state record of {account_id!r}: {error.reason}") from None
+            if record.model == self.model_fingerprint:
+                raise CorruptRecordError(f"account state record of {account_id!r}: {error.reason}") from None
+            # The bounds are these weights': a state of other weights may well break them, and is theirs.
+            raise self._other_weights(account_id, record) from None
         if record.model != self.model_fingerprint:
-            raise ValueError(
-                f"account state record of {account_id!r} was written by another {self.detector.name!r} model "
-                f"with the same config (model fingerprint {record.model.hex()}, this one is "
-                f"{self.model_fingerprint.hex()}): other weights, e.g. a retrained model; its recurrent state "
-                "means nothing to these weights. Serve the model that wrote it, or rebuild the account's "
-                "state by replaying its history through this model"
-            )
+            raise self._other_weights(account_id, record)
         if self.shadow is not None:
             self.shadow.evict(account_id)  # its shadow state went with the old record: restored after this
         row = self.store.rows([account_id])[0]
@@ -166,6 +166,15 @@ class HeldAccounts:
         self.store.recent_next[row] = record.recent_next
         self.featurizer.accounts.put_bytes(account_id, record.features)
         self._changed.discard(account_id)  # memory now equals the record
+
+    def _other_weights(self, account_id: str, record: AccountRecord) -> ValueError:
+        return ValueError(
+            f"account state record of {account_id!r} was written by another {self.detector.name!r} model "
+            f"with the same config (model fingerprint {record.model.hex()}, this one is "
+            f"{self.model_fingerprint.hex()}): other weights, e.g. a retrained model; its recurrent state "
+            "means nothing to these weights. Serve the model that wrote it, or rebuild the account's "
+            "state by replaying its history through this model"
+        )
 
     def reserve_accounts(self, n: int) -> None:
         """Room for about n more account states in one step (StateStore.reserve), before a restore."""
@@ -195,9 +204,10 @@ class HeldAccounts:
             for at in refused:  # raises for another model or version; names a corrupt one
                 corrupt += self._restore_or_name(ids[at], chunk[at])
             keep = np.setdiff1d(np.arange(len(ids)), refused)
-            while len(keep):  # one decode, and one more for each state tensor holding corrupt rows
+            while len(keep):  # one decode, and one more when some rows are corrupt
                 try:
-                    state = decode_state_rows(self.detector, records["detector"][keep])  # [n, ...]
+                    most = events_folded(records["features"][keep])
+                    state = decode_state_rows(self.detector, records["detector"][keep], most)  # [n, ...]
                 except StateRecordError as error:  # -> the accounts' names; corrupt ones are left out
                     for at in keep[list(error.rows)].tolist():
                         corrupt += self._restore_or_name(ids[at], chunk[at])  # raises unless corrupt

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 from models.checks import is_finite_number, is_integer, is_number
 from pipeline.data.ids import MAX_ID_CHARS, unseen_character
+from pipeline.features.state import MAX_AMOUNT
 
 MAX_MESSAGE_BYTES = 64 * 1024
 # A timestamp before earliest_ts (by default this one) or from 2100 on is a typo or a unit mix-up (seconds
@@ -71,10 +72,10 @@ class MessageLimits:
         for name, value in (("max_amount", self.max_amount), ("max_ts_skew_s", self.max_ts_skew_s)):
             if not is_finite_number(value) or not value > 0:
                 raise ValueError(f"{name} = {value!r}: expected a finite number > 0")
-        if self.max_amount > 1e15:
-            # 2**31 events a day at this amount still sum far from the float maximum, and log1p keeps its
-            # precision: the features of any history stay finite.
-            raise ValueError(f"max_amount = {self.max_amount!r}: expected at most 1e15")
+        if self.max_amount > MAX_AMOUNT:
+            # The features of any history stay finite, and a state record's sums within the bounds its restore
+            # checks (pipeline/features/state.py).
+            raise ValueError(f"max_amount = {self.max_amount!r}: expected at most {MAX_AMOUNT:g}")
         for name, choices in (("unknown_fields", UNKNOWN_FIELDS), ("timestamp_format", TIMESTAMP_FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} = {getattr(self, name)!r}: expected one of {', '.join(choices)}")

@@ -31,6 +31,7 @@ from consumers.scoring.account_state import (
     decode_account_record,
     decode_account_records,
     encode_account_records,
+    events_folded,
     model_fingerprint,
 )
 from consumers.scoring.state_store import StateStore
@@ -153,7 +154,8 @@ class ShadowModel:
         keep = np.flatnonzero(current)
         while len(keep):
             try:
-                state = decode_state_rows(self.detector, records["detector"][keep])
+                most = events_folded(records["features"][keep])
+                state = decode_state_rows(self.detector, records["detector"][keep], most)
                 break
             except StateRecordError as error:  # -> the accounts' names; corrupt ones are left out
                 for at in keep[list(error.rows)].tolist():
@@ -181,7 +183,7 @@ class ShadowModel:
                 "the topic to start the shadow afresh"
             )
         try:
-            state = decode_account_state(self.detector, record.detector)  # [1, ...]
+            state = decode_account_state(self.detector, record.detector, events_folded(record.features))
         except StateRecordError as error:
             if error.corrupt:
                 return self._left_out(f"shadow state record of {account!r}: {error.reason}")

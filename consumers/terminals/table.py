@@ -39,14 +39,8 @@ from consumers.runtime.compacted import Reader, read_latest
 from consumers.runtime.topics import TABLE_PARTITIONS
 from consumers.scoring.message_limits import MessageError
 from pipeline.features.definitions import FEATURE_VERSION
-from pipeline.features.state import (
-    MAX_EPOCH_DAY,
-    STATE_VERSION,
-    TERMINAL_STATE,
-    StateTable,
-    record_fault,
-    record_faults,
-)
+from pipeline.features.record_checks import record_fault, record_faults
+from pipeline.features.state import MAX_EPOCH_DAY, STATE_VERSION, TERMINAL_STATE, StateTable
 
 log = logging.getLogger(__name__)
 
@@ -196,12 +190,12 @@ def _report_garbage(topic: str, garbage: list[tuple[str, MessageError]]) -> None
 
 def _let_corrupt_records_go(topic: str, table: StateTable, last_day: int) -> list[str]:
     """Leave out the terminal records that no events and labels give (a day past the stream's range, a
-    negative count: pipeline/features/state.py's record_faults; a day after `last_day`, the last a ts or
-    label_ts may fall on now), naming the first at ERROR: restored, one would read as garbage ever after, a
-    day past the range spills into the windows of the other terminals of a batch, and a day to come makes
-    every other terminal look idle (consumers/terminals/idle.py). Every holder reads the same table, so
-    every one leaves the same terminals out: their counts start again from the deltas and labels after the
-    table's positions."""
+    negative count, a day in another day's bucket: pipeline/features/record_checks.py; a day after
+    `last_day`, the last a ts or label_ts may fall on now), naming the first at ERROR: restored, one would
+    read as garbage ever after, a day past the range spills into the windows of the other terminals of a
+    batch, and a day to come makes every other terminal look idle (consumers/terminals/idle.py). Every
+    holder reads the same table, so every one leaves the same terminals out: their counts start again from
+    the deltas and labels after the table's positions."""
     keys = list(table.slot_of)
     records = table.records[np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))]
     to_come = np.zeros(len(keys), dtype=bool)

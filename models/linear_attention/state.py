@@ -32,6 +32,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from models.contract import StateFault, beyond
+
 
 class LinearAttentionState(NamedTuple):
     s: Tensor  # [B, H, D, Dv] S / n_g
@@ -73,3 +75,31 @@ def inputs_with_defaults(
     elif decay.shape != (H,):  # its values, in (0, 1], are the config's to check (no device sync here)
         raise ValueError(f"decay must be [H] = [{H}] values in (0, 1], got shape {list(decay.shape)}")
     return state, valid, decay
+
+
+def decayed_mean_faults(
+    s: Tensor, z: Tensor, n: Tensor, phi_k: tuple[float, Tensor], v_most: Tensor, eps: float
+) -> tuple[StateFault, StateFault]:
+    """Where decayed means s [B, ..., D, Dv] and z [B, ..., D] after n [B] events hold what no events give,
+    for keys with phi(k) in phi_k = (least, most [..., D]) and values |v| <= v_most [..., Dv] (what the
+    weights allow); eps: the arithmetic's machine epsilon. With no event both are 0. Otherwise each is a
+    convex combination of its events' terms (module docstring): least <= z_i <= most_i, and |s_ij| <= z_i
+    v_most_j (the same weights over phi(k)_i |v_j| <= phi(k)_i v_most_j). Both widened by what n lerps may
+    round, about eps / 2 of the mean's size each: (n + 4) eps, relative (no bound once that reaches 1)."""
+    least, most = phi_k
+    events = n.reshape(-1, *[1] * (z.dim() - 1)).double()  # [B, 1, ...] against z
+    slack = (events + 4) * eps
+    none = events == 0  # then z is 0, and so s: its bound z_i v_most_j is 0
+    z_least = torch.where(none, 0.0, least * (1 - slack)).to(z.dtype)
+    z_most = torch.where(none, 0.0, most.to(z.device) * (1 + slack))
+    z_wrong = ~((z >= z_least) & (z <= z_most.to(z.dtype)))
+    # z widened, [B, ..., D]: one multiply over s's size then (the check's cost), and no bound past slack 1.
+    widened = torch.where(slack < 1, z * ((1 + slack) / (1 - slack)), torch.finfo(s.dtype).max).to(s.dtype)
+    s_most = widened[..., None] * v_most.to(s)[..., None, :]  # [B, ..., D, Dv]
+    s_wrong = beyond(s, s_most)
+    return (
+        StateFault(
+            s_wrong, "0 with no events, else |s_ij| <= z_i x the largest |v_j| the weights give", s_most
+        ),
+        StateFault(z_wrong, f"0 with no events, else {least:g} .. the most phi(k) the weights give", z_most),
+    )

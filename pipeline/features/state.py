@@ -6,7 +6,6 @@ A record's size never depends on history length, and its bytes are the unit the 
 """
 
 import json
-import math
 import struct
 
 import numpy as np
@@ -24,6 +23,10 @@ STATE_VERSION = 1
 # The last day (in 4840) the stream's composite keys hold: callers keep days within.
 MAX_EPOCH_DAY = (1 << 20) - 1
 MAX_TS_US = (MAX_EPOCH_DAY + 1) * DAY_US - 1
+# The largest amount the stream's state holds: callers keep amounts within (the service's max_amount may not
+# exceed it). 2**31 events a day at this amount still sum far from the float maximum, and log1p keeps its
+# precision. The bounds a restored record is held to rest on it (record_checks.py).
+MAX_AMOUNT = 1e15
 _MAGIC = b"TXSF"
 _HEADER = struct.Struct("<4sHHI")  # magic, state version, feature version, json header length
 
@@ -62,49 +65,6 @@ def empty_record(dtype: np.dtype) -> np.ndarray:
         if name == "max_day" or name.endswith("day"):
             record[name] = -1
     return record
-
-
-def record_faults(records: np.ndarray) -> np.ndarray:
-    """[N] whether each record [N] (ACCOUNT_STATE or TERMINAL_STATE) holds a value that no events fold into
-    it (record_fault says which): a day outside -1..MAX_EPOCH_DAY, a ts outside 0..MAX_TS_US, a negative
-    count, a sum that is negative or not finite. Restored, such a record would read as garbage ever after,
-    and a day past MAX_EPOCH_DAY would spill into the windows of the other keys of a batch (stream.py's
-    composite keys)."""
-    bad = np.zeros(len(records), dtype=bool)
-    for name in records.dtype.names:
-        width = math.prod(records.dtype[name].shape)  # 1 for a scalar field; explicit: N may be 0
-        bad |= _field_faults(name, records[name].reshape(len(records), width)).any(axis=1)
-    return bad
-
-
-def record_fault(record: np.ndarray) -> str | None:
-    """What record_faults finds wrong in one record, in words; None when nothing."""
-    for name in record.dtype.names:
-        values = record[name].reshape(1, -1)
-        wrong = np.flatnonzero(_field_faults(name, values)[0])
-        if len(wrong):
-            return f"{name} = {values[0, wrong[0]].item()!r}, expected {_expected(name, values.dtype)}"
-    return None
-
-
-def _field_faults(name: str, values: np.ndarray) -> np.ndarray:
-    if name == "last_ts_us":
-        return (values < 0) | (values > MAX_TS_US)
-    if name.endswith("day"):  # max_day and the rings' days: -1 is empty
-        return (values < -1) | (values > MAX_EPOCH_DAY)
-    if values.dtype.kind == "f":  # sums of log-amounts and amounts, all >= 0
-        return ~np.isfinite(values) | (values < 0)
-    if values.dtype.kind == "i":  # counts
-        return values < 0
-    return np.zeros(values.shape, dtype=bool)  # bitsets and hashes: any bits
-
-
-def _expected(name: str, dtype: np.dtype) -> str:
-    if name == "last_ts_us":
-        return f"0..{MAX_TS_US} (microseconds since the epoch)"
-    if name.endswith("day"):
-        return f"an epoch day in 0..{MAX_EPOCH_DAY}, or -1 for none"
-    return "a finite sum >= 0" if dtype.kind == "f" else "a count >= 0"
 
 
 class StateTable:

@@ -7,6 +7,7 @@ from models.contract import earlier_occurrences, gather_states, rounds_of, scatt
 from models.parity import forward_in_chunks, random_events, step_through
 from models.state_codec import (
     STATE_VERSION,
+    StateRecordError,
     decode_account_state,
     decode_state,
     encode_account_state,
@@ -184,6 +185,123 @@ def test_codec_refuses_a_record_holding_what_no_step_writes(name):
     assert states_equal(decode_state(detector, good), state)
 
 
+def restored(detector, state, events=None):
+    """`state` through its byte codec, held to what steps write (and to `events` [B] stepped, when given)."""
+    return decode_state(detector, encode_state(detector, state), events)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_every_state_steps_and_forward_write_passes_the_codec_s_bounds(name, dtype):
+    # Events far past the input clip and far negative too: the bounds hold for any events whatever, as the
+    # weights give them (a state at 0.95 of its bound is no surprise), and rounding included.
+    detector = make_detector(name, dtype)
+    x = random_events(detector, 4, 600, seed=16)
+    x[1, :, :-1] *= 1e6
+    x[2, ::2, :-1] = -1e9
+    lengths = torch.tensor([600, 333, 64, 0])
+    with torch.inference_mode():
+        _, stepped = step_through(detector, x[:, :200])
+        _, whole = detector(x, lengths=lengths)
+        _, chunked = forward_in_chunks(detector, x, TRAIN_CHUNK_EVENTS, lengths=lengths)
+    assert states_equal(restored(detector, stepped, torch.full((4,), 200)), stepped)
+    assert states_equal(restored(detector, whole, lengths), whole)
+    assert states_equal(restored(detector, chunked, lengths), chunked)
+
+
+def test_codec_refuses_a_finite_value_beyond_what_steps_write_naming_the_key(name):
+    # A finite 1e30 restored would pin its account's every later score, or overflow a few events on.
+    detector = make_detector(name, torch.float32)
+    with torch.inference_mode():
+        _, state = detector(random_events(detector, 2, 30, seed=17))
+    good = encode_state(detector, state)
+    for key, value in state.items():
+        if not value.is_floating_point():
+            continue
+        broken = {k: v.contiguous().clone() for k, v in state.items()}
+        broken[key].view(2, -1)[1, 0] = 1e30
+        with pytest.raises(
+            StateRecordError, match=rf"state record 1: '{name}' state '{key}' holds 1e\+30 at"
+        ) as error:
+            decode_state(detector, [good[0], encode_state(detector, broken)[1]])
+        assert (
+            error.value.corrupt and error.value.rows == (1,) and "the record is corrupt" in str(error.value)
+        )
+
+
+def test_codec_refuses_a_state_that_stepped_more_events_than_its_account_had(name):
+    # The scoring service knows how many events an account's featurizer folded: its detector stepped no more.
+    detector = make_detector(name, torch.float32)
+    with torch.inference_mode():
+        _, state = detector(random_events(detector, 2, 30, seed=18))
+    assert states_equal(restored(detector, state, torch.tensor([30, 30])), state)
+    with pytest.raises(
+        StateRecordError, match=rf"state record 1: '{name}' state '(events|c)' holds"
+    ) as error:
+        restored(detector, state, torch.tensor([30, 0]))
+    assert error.value.corrupt and error.value.rows == (1,)
+
+
+def _refused(detector, state, events, match):
+    with pytest.raises(StateRecordError, match=match) as error:
+        restored(detector, state, events)
+    assert error.value.corrupt
+
+
+def test_lstm_states_hold_h_within_1_and_c_within_its_events_and_its_gates():
+    detector = make_detector("lstm", torch.float32)
+    with torch.inference_mode():
+        _, state = detector(random_events(detector, 1, 5, seed=19))
+    broken = clone_state(state)
+    broken["h"][0, 1, 2] = 1.5  # o tanh(c) never leaves [-1, 1]
+    _refused(detector, broken, None, r"'h' holds 1.5 at \[1, 2\], expected \|h\| <= 1")
+    broken = clone_state(state)
+    broken["c"][0, 0, 3] = 4.5  # c moves by at most 1 an event
+    _refused(detector, broken, torch.tensor([4]), r"'c' holds 4.5 at \[0, 3\], expected .* \(here 4\)")
+    # What the gates let c reach, whatever the events [L, d]: at most 2^24 in float32 (where adding 1 rounds
+    # back), and tight where a layer reads the layer below's h (|h| <= 1) rather than the encoder's output.
+    cell = detector.cell_bound()
+    assert (cell > 0).all() and (cell <= 2**24).all() and (cell[1] < 1e3).all()
+    broken = clone_state(state)
+    broken["c"][0, 1, 3] = cell[1, 3].item() * 1.01
+    _refused(detector, broken, None, r"'c' holds .* at \[1, 3\], expected \|c\| within what the gates")
+
+
+def test_linear_attention_states_hold_positive_means_of_what_the_weights_give():
+    detector = make_detector("linear_transformer", torch.float32)
+    fresh = detector.init_state(1)
+    with torch.inference_mode():
+        _, state = detector(random_events(detector, 1, 5, seed=20))
+    broken = clone_state(state)
+    broken["z"][0, 0, 1, 2] = 0.0  # phi = elu + 1 > 0: a mean of phi(k) is too
+    _refused(detector, broken, None, r"'z' holds 0 at \[0, 1, 2\], expected 0 with no events, else 1e-06 ..")
+    broken = clone_state(fresh)
+    broken["s"][0, 1, 0, 1, 1] = 1e-3  # no events, no mean
+    _refused(detector, broken, None, r"'s' holds 0.001 at \[1, 0, 1, 1\], expected 0 with no events")
+    broken = clone_state(state)
+    broken["s"][0, 1, 0, 1, 1] = 2 * broken["z"][0, 1, 0, 1] * 1e3  # |s_ij| <= z_i x the largest |v_j|
+    _refused(detector, broken, None, r"'s' holds .* at \[1, 0, 1, 1\], expected .* z_i x the largest \|v_j\|")
+
+
+def test_transformer_states_hold_keys_the_weights_give_and_nothing_in_slots_no_event_reached():
+    detector = make_detector("transformer", torch.float32)
+    window = detector.config.window_events
+    with torch.inference_mode():
+        _, state = detector(random_events(detector, 1, 3, seed=21))
+    broken = clone_state(state)
+    broken["v"][0, 1, 0, window - 1, 0] = 0.25  # 3 events fill slots 0..2
+    _refused(
+        detector,
+        broken,
+        None,
+        rf"'v' holds 0.25 at \[1, 0, {window - 1}, 0\], expected 0 in a slot no event reached, else",
+    )
+    broken = clone_state(state)
+    broken["k"][0, 0, 1, 2, 3] = 1e3
+    _refused(
+        detector, broken, None, r"'k' holds 1000 at \[0, 1, 2, 3\], expected .* else \|k\| within the bound"
+    )
+
+
 def test_padding_never_changes_state_and_any_filler_is_harmless(name):
     detector = make_detector(name)
     lengths = torch.tensor([20, 9, 1, 0])
@@ -238,6 +356,7 @@ def test_100k_event_stream_in_float32_serving_stays_near_float64(name, record_pr
     )
     assert error <= 1e-3
     assert state_error <= 1e-3
+    restored(serving, state, torch.tensor([events]))  # rounding over 100k events stays within the bounds
 
 
 EXTREMES = {
@@ -259,6 +378,8 @@ def test_extreme_but_valid_inputs_give_finite_scores_and_states(name, case):
         stepped, stepped_state = step_through(detector, x[:, :50])
     for tensor in [scores, stepped, *state.values(), *stepped_state.values()]:
         assert torch.isfinite(tensor.float()).all(), case
+    restored(detector, state, torch.tensor([300, 300]))  # and within what a restore holds states to
+    restored(detector, stepped_state, torch.tensor([50, 50]))
 
 
 def test_a_burst_of_10k_identical_events_stays_finite(name):
@@ -270,6 +391,7 @@ def test_a_burst_of_10k_identical_events_stays_finite(name):
         stepped, stepped_state = step_through(detector, x[:, :100], state)
     for tensor in [scores, stepped, *state.values(), *stepped_state.values()]:
         assert torch.isfinite(tensor.float()).all()
+    restored(detector, stepped_state, torch.tensor([10_100]))
 
 
 def test_forward_under_bf16_autocast_is_finite(name):

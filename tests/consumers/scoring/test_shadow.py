@@ -124,7 +124,7 @@ def test_a_corrupt_shadow_record_is_left_out_naming_its_account(frame, spec, cap
     records[2] = records[2][:-4] + struct.pack("<f", float("nan"))
     assert both.shadow.restore(accounts, records, both.store) == len(accounts) - 1
     assert both.shadow.corrupt == 1 and both.shadow.stale == 0
-    assert re.search(rf"shadow state record of {accounts[2]!r}: .* not finite", caplog.text)
+    assert re.search(rf"shadow state record of {accounts[2]!r}: 'lstm' state 'h' holds nan", caplog.text)
 
 
 def test_eviction_and_checkpoint_cover_the_shadow(frame, spec):

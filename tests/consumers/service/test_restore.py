@@ -282,9 +282,15 @@ def _nan_state(record):
 @pytest.mark.parametrize(
     "corrupt, reason",
     [
-        (_nan_state, "'lstm' state 'h' holds a value that is not finite"),
+        (_nan_state, r"'lstm' state 'h' holds nan at \[.*\], expected \|h\| <= 1"),
         (_features(sum_log_amount=float("nan")), "sum_log_amount = nan, expected a finite sum >= 0"),
         (_features(count=-5), "count = -5, expected a count >= 0"),
+        # Finite, but more than any events fold: poison for every later mean, or an overflow soon after.
+        (
+            _features(sum_log_amount=1e300),
+            r"sum_log_amount = 1e\+300, expected at most count x log1p\(1e\+15\)",
+        ),
+        (_features(count=2**62), f"count = {2**62}, expected at least the events its day ring holds"),
         (_features(max_day=2**31 - 1), "max_day = 2147483647, expected an epoch day"),
         (_features(day=-7), "day = -7, expected an epoch day"),
         (_features(last_ts_us=2**63 - 1), "last_ts_us = 9223372036854775807, expected 0.."),

@@ -49,9 +49,8 @@ def test_a_record_of_another_version_or_layout_is_refused_with_what_to_do():
         ("max_day", 2**31 - 1, "max_day = 2147483647, expected an epoch day"),
         ("report_count", -1, "report_count = -1, expected a count >= 0"),
         ("reported_day", -5, "reported_day = -5, expected an epoch day"),
-        # A day to come: every other terminal would look idle by it, and be let go (consumers/terminals/idle.py).
-        ("max_day", 19_900, "a day after 19700, the last a ts may fall on now"),
-        ("report_day", 19_701, "a day after 19700"),
+        ("day_count", 5, "day_count = 5, expected 0 in an empty bucket"),  # bucket 0 holds no day here
+        ("report_day", 7, r"report_day = 7, expected -1 \(empty\), or a day d in bucket d % 30"),
     ],
 )
 def test_a_table_record_no_events_give_is_left_out_naming_the_terminal(
@@ -76,6 +75,26 @@ def test_a_table_record_no_events_give_is_left_out_naming_the_terminal(
     latest["t2"] = terminal_table.encode_terminal(source.terminals.get_bytes("t2"))
     table = terminal_table.read_table(None, "table", "labels", "deltas", 1.0, now).terminals
     assert table.get_bytes("t2") == source.terminals.get_bytes("t2")
+
+
+def test_a_table_record_dated_in_days_to_come_is_left_out(monkeypatch, caplog):
+    # Sound in itself, but by its day every other terminal would look idle, and be let go
+    # (consumers/terminals/idle.py): a day after the last a ts may fall on as the table is read is refused.
+    source = featurizer_with_two_terminals()  # day 19_675
+    ahead = StreamingFeaturizer()
+    ahead.transform(EventBatch(["a"], ["t9"], np.array([19_800 * 86_400_000_000]), np.array([1.0])))
+    latest = {
+        "t1": terminal_table.encode_terminal(source.terminals.get_bytes("t1")),
+        "t9": terminal_table.encode_terminal(ahead.terminals.get_bytes("t9")),
+    }
+    monkeypatch.setattr(terminal_table, "read_latest", lambda *args, **kwargs: (dict(latest), 2))
+    table, _, left_out = terminal_table.read_table(None, "table", "labels", "deltas", 1.0, 19_700)
+    assert list(table) == ["t1"] and left_out == ["t9"]
+    assert "first='t9': a day after 19700, the last a ts may fall on now" in caplog.text
+    assert list(terminal_table.read_table(None, "table", "labels", "deltas", 1.0, 19_800).terminals) == [
+        "t1",
+        "t9",
+    ]
 
 
 def test_a_table_record_that_is_not_one_is_left_out_and_stops_nothing(monkeypatch, caplog):
