@@ -60,12 +60,12 @@ def check_output(path: Path | None, setting: str, directory: bool = True) -> Non
 
 @contextmanager
 def tracking_errors() -> Iterator[None]:
-    """A tracking store that cannot be used (pipeline.registry.tracking.TrackingStoreError, raised where a command
-    first opens it) becomes an OperatorError: exit 1 for a server that refused or did not answer, else 2."""
+    """A tracking store that cannot be used (pipeline.registry.tracking_store.TrackingStoreError, raised where a
+    command first opens it) becomes an OperatorError: exit 1 for a server that refused or did not answer, else 2."""
     try:
         yield
     except Exception as error:
-        tracking = sys.modules.get("pipeline.registry.tracking")
+        tracking = sys.modules.get("pipeline.registry.tracking_store")
         if tracking is None or not isinstance(error, tracking.TrackingStoreError):
             raise
         raise OperatorError(str(error), EXIT_OUTSIDE if error.unavailable else EXIT_INPUT) from error

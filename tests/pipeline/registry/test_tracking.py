@@ -16,12 +16,9 @@ from pipeline.cli.main import main
 from pipeline.features import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
 from pipeline.registry.artifact import save_model_dir
-from pipeline.registry.tracking import (
-    TrackingStoreError,
-    configure_tracking,
-    load_model,
-    registered_name_problem,
-)
+from pipeline.registry.names import registered_name_problem
+from pipeline.registry.tracking import load_model
+from pipeline.registry.tracking_store import TrackingStoreError, configure_tracking
 
 OPEN_STORE = """
 from pipeline.registry.tracking import configure_tracking
