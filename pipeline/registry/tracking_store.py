@@ -9,22 +9,31 @@ Default tracking store: SQLite `mlflow.db` in the working directory (browse it w
 import fcntl
 import functools
 import os
+import time
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 import mlflow
+import requests
 from mlflow import environment_variables
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.credentials import get_default_host_creds
-from mlflow.utils.rest_utils import http_request_safe
+from mlflow.utils.rest_utils import MlflowHostCreds, http_request, verify_rest_response
 from sqlalchemy.exc import SQLAlchemyError
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-# How long a tracking server has to answer the first request. MLflow's own client retries an unanswered request
-# for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT), right for a server that falls over
-# during a run, not for one that was never there. A healthy server answers in milliseconds.
+# How long a tracking server has to answer the first request, unless MLFLOW_HTTP_REQUEST_TIMEOUT says. MLflow's
+# own client retries an unanswered request for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES), right for a server that
+# falls over during a run, not for one that was never there. A healthy server answers in milliseconds.
 SERVER_ANSWER_SECONDS = 10
+# A server that answers busy (rate limited, restarting behind its proxy) is asked again after each of these waits,
+# unless MLFLOW_HTTP_REQUEST_MAX_RETRIES sets MLflow's own retries.
+BUSY_RETRY_WAITS_SECONDS = (1, 2)
+BUSY_STATUS = frozenset({429, 500, 502, 503, 504})
+SEARCH_ONE_EXPERIMENT = "/api/2.0/mlflow/experiments/search"
+HTTP_CREDENTIALS = "MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD,"
 SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 
 
@@ -59,7 +68,11 @@ def _open_store_once(uri: str) -> None:
     if uri.startswith("sqlite:///"):
         _open_sqlite_store(uri)
     elif scheme in ("http", "https"):
-        _check_server_answers(uri)
+        _check_server_answers(
+            f"the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI)",
+            get_default_host_creds(uri),
+            HTTP_CREDENTIALS,
+        )
     elif scheme in ("", "file"):
         _open_file_store(uri)
     else:  # another database, Databricks, a plugin's scheme, or one MLflow does not know
@@ -159,23 +172,64 @@ def _open_with_mlflow(uri: str, list_one: bool) -> None:
         ) from error
 
 
-def _check_server_answers(uri: str) -> None:
-    """One request (list one experiment), answered within SERVER_ANSWER_SECONDS, with the credentials and TLS
-    settings MLflow's own requests use."""
+def _check_server_answers(server: str, creds: MlflowHostCreds, credentials: str) -> None:
+    """One search for an experiment, with the credentials and TLS settings MLflow's own requests use. `server`
+    names it in a refusal, `credentials` the settings that hold what it may ask for."""
+    timeout = _user_setting(environment_variables.MLFLOW_HTTP_REQUEST_TIMEOUT, SERVER_ANSWER_SECONDS)
+    retries = _user_setting(environment_variables.MLFLOW_HTTP_REQUEST_MAX_RETRIES, None)
     try:
-        http_request_safe(
-            get_default_host_creds(uri),
-            "/api/2.0/mlflow/experiments/search",
-            "POST",
-            json={"max_results": 1},
-            max_retries=0,
-            timeout=SERVER_ANSWER_SECONDS,
-        )
-    except MlflowException as error:
+        response = _search_one_experiment(creds, timeout, retries)
+    except (MlflowException, OSError) as error:  # OSError: a time limit the Databricks SDK keeps itself
         raise TrackingStoreError(
-            f"the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI) refused or did not answer within "
-            f"{SERVER_ANSWER_SECONDS} s: {_first_line(error)}. Check that it runs there and that "
-            "MLFLOW_TRACKING_URI names it, with its credentials (MLFLOW_TRACKING_TOKEN, or "
-            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD) where it needs them",
+            f"{server} refused or did not answer within {timeout} s: {_first_line(error)}. Check that it runs "
+            "there and that MLFLOW_TRACKING_URI names it",
             unavailable=True,
         ) from error
+    try:
+        verify_rest_response(response, SEARCH_ONE_EXPERIMENT)
+    except MlflowException as error:
+        said = f"HTTP {response.status_code}: {_first_line(error)}"
+        if response.status_code in (401, 403):  # a setting the operator can fix, not a server that is down
+            raise TrackingStoreError(
+                f"{server} refused this client ({said}); set {credentials} to credentials it accepts"
+            ) from error
+        raise TrackingStoreError(
+            f"{server} answered {said}. Check that it runs there and that MLFLOW_TRACKING_URI names it",
+            unavailable=True,
+        ) from error
+
+
+def _search_one_experiment(creds: MlflowHostCreds, timeout: int, retries: int | None) -> requests.Response:
+    """The server's answer to a search for one experiment. With `retries` (MLFLOW_HTTP_REQUEST_MAX_RETRIES set),
+    MLflow retries as it does every request; without, a busy answer is asked again after each of
+    BUSY_RETRY_WAITS_SECONDS and a server that does not answer is not."""
+    ask = functools.partial(
+        http_request,
+        creds,
+        SEARCH_ONE_EXPERIMENT,
+        "POST",
+        json={"max_results": 1},
+        max_retries=retries or 0,
+        timeout=timeout,
+        retry_timeout_seconds=timeout if retries is None else None,  # the Databricks SDK's own retries
+        raise_on_status=False,  # a busy answer that outlasts MLflow's retries is returned, to be named
+    )
+    response = ask()
+    for wait in BUSY_RETRY_WAITS_SECONDS if retries is None else ():
+        if response.status_code not in BUSY_STATUS:
+            break
+        time.sleep(wait)
+        response = ask()
+    return response
+
+
+def _user_setting(variable: Any, default: int | None) -> int | None:
+    """The value of MLflow's environment `variable` where the user set it, else `default`."""
+    if not variable.is_set():
+        return default
+    try:
+        return variable.get()
+    except ValueError:
+        raise TrackingStoreError(
+            f"{variable.name}={variable.get_raw()!r}: expected a whole number; set it to one, or unset it"
+        ) from None

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import ClassVar
 
 import mlflow
 import pytest
@@ -15,6 +16,7 @@ from models.registry import build_detector
 from pipeline.cli.main import main
 from pipeline.features import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
+from pipeline.registry import tracking_store
 from pipeline.registry.artifact import save_model_dir
 from pipeline.registry.names import registered_name_problem
 from pipeline.registry.tracking import load_model
@@ -108,25 +110,38 @@ def test_the_names_refused_up_front_are_those_the_registry_refuses(name, tmp_pat
 
 
 class Answers(http.server.BaseHTTPRequestHandler):
-    """A tracking server's stand-in: answers the search for experiments with `status`."""
+    """A tracking server's stand-in: answers each search for experiments with the next of `statuses` (200 once
+    they run out), `delay_seconds` late, and counts the requests in `asked`."""
 
-    status = 200
+    statuses: ClassVar[list[int]] = []
+    delay_seconds = 0.0
+    asked: ClassVar[list[str]] = []
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        body = b'{"experiments": []}' if self.status == 200 else b'{"error_code": "PERMISSION_DENIED"}'
-        self.send_response(self.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.asked.append(self.path)
+        time.sleep(self.delay_seconds)
+        status = self.statuses.pop(0) if self.statuses else 200
+        body = b'{"experiments": []}' if status == 200 else b'{"error_code": "PERMISSION_DENIED"}'
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except ConnectionError:
+            pass  # a client that stopped waiting
 
     def log_message(self, *args):
         pass
 
 
 @pytest.fixture
-def server():
+def server(monkeypatch):
+    monkeypatch.setattr(Answers, "statuses", [])
+    monkeypatch.setattr(Answers, "asked", [])
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers) as httpd:
         thread = threading.Thread(target=httpd.serve_forever, daemon=True)
         thread.start()
@@ -134,17 +149,71 @@ def server():
         httpd.shutdown()
 
 
-def test_a_tracking_server_that_answers_is_used_and_one_that_refuses_is_named(server, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
-    started = time.monotonic()
-    assert configure_tracking() == server
-    assert time.monotonic() - started < 5  # one request, answered at once
-    monkeypatch.setattr(Answers, "status", 403)
-    refused = f"{server}/"  # another URI for the same server: the first answer was kept for the first
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", refused)
-    with pytest.raises(TrackingStoreError) as error:
+def open_server_store(monkeypatch, uri: str, *statuses: int) -> TrackingStoreError | None:
+    """Opens `uri` (each a store of its own: the store is opened once a process) with the server answering
+    `statuses` first; the refusal, or None."""
+    monkeypatch.setattr(Answers, "statuses", list(statuses))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    try:
         configure_tracking()
-    assert str(error.value).startswith(
-        f"the MLflow tracking server at {refused} (MLFLOW_TRACKING_URI) refused"
+    except TrackingStoreError as error:
+        return error
+    return None
+
+
+def test_a_tracking_server_that_answers_is_used_and_one_that_refuses_is_named(server, monkeypatch):
+    started = time.monotonic()
+    assert open_server_store(monkeypatch, server) is None
+    assert time.monotonic() - started < 5  # one request, answered at once
+    refused = open_server_store(monkeypatch, f"{server}/refuses", 404)
+    assert str(refused).startswith(
+        f"the MLflow tracking server at {server}/refuses (MLFLOW_TRACKING_URI) answered"
     )
-    assert "PERMISSION_DENIED" in str(error.value) and error.value.unavailable
+    assert "HTTP 404: PERMISSION_DENIED" in str(refused) and refused.unavailable
+
+
+def test_a_busy_tracking_server_is_asked_again_and_refused_credentials_are_a_setting(
+    server, monkeypatch, capsys
+):
+    # One 429 or 503 failed the command; a 401 or 403 was reported as a server that is down (exit 1).
+    monkeypatch.setattr(tracking_store, "BUSY_RETRY_WAITS_SECONDS", (0.1, 0.1))
+    assert open_server_store(monkeypatch, f"{server}/busy", 503, 429) is None
+    assert Answers.asked == ["/busy/api/2.0/mlflow/experiments/search"] * 3
+    down = open_server_store(monkeypatch, f"{server}/down", 503, 503, 503)
+    assert "answered HTTP 503: " in str(down) and down.unavailable and len(Answers.asked) == 6
+    for status in (401, 403):
+        uri = f"{server}/{status}"
+        monkeypatch.setattr(Answers, "statuses", [status])
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        assert main(["promote", "--version", "1"]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert (
+            f"the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI) refused this client (HTTP {status}: "
+            in line
+        )
+        assert (
+            "set MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, to " in line
+        )
+
+
+def test_the_users_own_http_timeout_and_retries_are_kept(server, monkeypatch):
+    # MLFLOW_HTTP_REQUEST_TIMEOUT and MLFLOW_HTTP_REQUEST_MAX_RETRIES were overridden by a fixed 10 s, no retries.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    assert "answered HTTP 503" in str(open_server_store(monkeypatch, f"{server}/once", 503))
+    assert len(Answers.asked) == 1  # the user asked for no retries
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "4")
+    assert open_server_store(monkeypatch, f"{server}/four", 503, 503, 503, 503) is None
+    assert len(Answers.asked) == 6  # four retries, MLflow's own
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    monkeypatch.setattr(Answers, "delay_seconds", 3)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    started = time.monotonic()
+    slow = open_server_store(monkeypatch, f"{server}/slow")
+    assert time.monotonic() - started < 2.5 and "did not answer within 1 s: " in str(slow)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "soon")
+    bad = open_server_store(monkeypatch, f"{server}/bad")
+    assert (
+        str(bad) == "MLFLOW_HTTP_REQUEST_TIMEOUT='soon': expected a whole number; set it to one, or unset it"
+    )
+    assert not bad.unavailable
