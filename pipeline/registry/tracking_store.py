@@ -9,10 +9,12 @@ Default tracking store: SQLite `mlflow.db` in the working directory (browse it w
 import fcntl
 import functools
 import os
+import queue
+import threading
 import time
-import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlflow
 import requests
@@ -20,7 +22,15 @@ from mlflow import environment_variables
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.credentials import get_default_host_creds
+from mlflow.utils.databricks_utils import get_databricks_host_creds
 from mlflow.utils.rest_utils import MlflowHostCreds, http_request, verify_rest_response
+from mlflow.utils.uri import (
+    is_databricks_unity_catalog_uri,
+    is_databricks_uri,
+    is_file_uri,
+    is_http_uri,
+    is_local_uri,
+)
 from sqlalchemy.exc import SQLAlchemyError
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -34,7 +44,10 @@ BUSY_RETRY_WAITS_SECONDS = (1, 2)
 BUSY_STATUS = frozenset({429, 500, 502, 503, 504})
 SEARCH_ONE_EXPERIMENT = "/api/2.0/mlflow/experiments/search"
 HTTP_CREDENTIALS = "MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD,"
+DATABRICKS_CREDENTIALS = "DATABRICKS_TOKEN (or the profile's token)"
 SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+T = TypeVar("T")
 
 
 class TrackingStoreError(Exception):
@@ -64,19 +77,24 @@ def configure_tracking() -> str:
 
 @functools.cache  # once a process: configure_tracking runs before every registry call
 def _open_store_once(uri: str) -> None:
-    scheme = urllib.parse.urlparse(uri).scheme.lower()
-    if uri.startswith("sqlite:///"):
+    # The store's kind as MLflow's own helpers tell it: "databricks" parses as a relative path, not a scheme.
+    if is_databricks_uri(uri):
+        _check_databricks_answers(uri)
+    elif uri.startswith("sqlite:///"):
         _open_sqlite_store(uri)
-    elif scheme in ("http", "https"):
-        _check_server_answers(
-            f"the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI)",
-            get_default_host_creds(uri),
-            HTTP_CREDENTIALS,
-        )
-    elif scheme in ("", "file"):
+    elif is_http_uri(uri):
+        server = f"the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI)"
+        _check_server_answers(server, get_default_host_creds(uri), HTTP_CREDENTIALS)
+    elif _is_file_store(uri):
         _open_file_store(uri)
-    else:  # another database, Databricks, a plugin's scheme, or one MLflow does not know
+    else:  # another database, Unity Catalog, a plugin's scheme, or one MLflow does not know: MLflow says
         _open_with_mlflow(uri, list_one=False)
+
+
+def _is_file_store(uri: str) -> bool:
+    # MLflow's store lookup takes a bare "databricks-uc" or "uc" for its scheme, though each parses as a path.
+    unity_catalog = is_databricks_unity_catalog_uri(uri) or uri == "uc"
+    return not unity_catalog and (is_file_uri(uri) or is_local_uri(uri))
 
 
 def _named(uri: str) -> str:
@@ -170,6 +188,50 @@ def _open_with_mlflow(uri: str, list_one: bool) -> None:
             f"{_named(uri)}: MLflow cannot open this store: {_first_line(error)}. Point MLFLOW_TRACKING_URI at "
             "an MLflow store (a sqlite:/// path, or a tracking server's http(s):// address)"
         ) from error
+
+
+def _check_databricks_answers(uri: str) -> None:
+    """The Databricks workspace that `uri`'s credentials name (DATABRICKS_HOST and DATABRICKS_TOKEN, or a profile
+    of ~/.databrickscfg), asked as a tracking server is. Finding the credentials is bounded too: the Databricks
+    SDK asks the host for its settings first and retries a host that does not answer for five minutes."""
+    seconds = _user_setting(environment_variables.MLFLOW_HTTP_REQUEST_TIMEOUT, SERVER_ANSWER_SECONDS)
+    try:
+        creds = _within(seconds, get_databricks_host_creds, uri)
+    except MlflowException as error:
+        raise TrackingStoreError(
+            f"{_named(uri)}: MLflow found no Databricks credentials for it; set DATABRICKS_HOST and "
+            "DATABRICKS_TOKEN, or log in with `databricks auth login` and name the profile it makes as "
+            "databricks://PROFILE"
+        ) from error
+    except TimeoutError as error:
+        raise TrackingStoreError(
+            f"{_named(uri)}: the Databricks host its credentials name did not answer within {seconds} s; check "
+            "DATABRICKS_HOST (or the profile's host) and that this machine reaches it",
+            unavailable=True,
+        ) from error
+    workspace = f"the Databricks workspace at {creds.host} ({_named(uri)})"
+    _check_server_answers(workspace, creds, DATABRICKS_CREDENTIALS)
+
+
+def _within(seconds: float, call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)`, or TimeoutError once `seconds` have passed. The call runs in a daemon thread, left behind
+    when it overruns: the command ends with the error, and nothing waits for the thread."""
+    outcome: queue.Queue = queue.Queue(maxsize=1)
+
+    def run() -> None:
+        try:
+            outcome.put((call(*args), None))
+        except Exception as error:  # raised again below, in the caller's thread
+            outcome.put((None, error))
+
+    threading.Thread(target=run, name=f"txsentinel-{call.__name__}", daemon=True).start()
+    try:
+        result, error = outcome.get(timeout=seconds)
+    except queue.Empty:
+        raise TimeoutError(f"no answer within {seconds} s") from None
+    if error is not None:
+        raise error
+    return result
 
 
 def _check_server_answers(server: str, creds: MlflowHostCreds, credentials: str) -> None:

@@ -2,6 +2,8 @@
 refuses."""
 
 import http.server
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -132,6 +134,11 @@ class Answers(http.server.BaseHTTPRequestHandler):
         except ConnectionError:
             pass  # a client that stopped waiting
 
+    def do_GET(self):  # what the Databricks SDK asks a workspace for before it sends a request
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def log_message(self, *args):
         pass
 
@@ -147,6 +154,13 @@ def server(monkeypatch):
         thread.start()
         yield f"http://127.0.0.1:{httpd.server_address[1]}"
         httpd.shutdown()
+
+
+@pytest.fixture
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed on return: nothing listens there
 
 
 def open_server_store(monkeypatch, uri: str, *statuses: int) -> TrackingStoreError | None:
@@ -217,3 +231,39 @@ def test_the_users_own_http_timeout_and_retries_are_kept(server, monkeypatch):
         str(bad) == "MLFLOW_HTTP_REQUEST_TIMEOUT='soon': expected a whole number; set it to one, or unset it"
     )
     assert not bad.unavailable
+
+
+def test_a_databricks_store_is_asked_at_its_workspace_not_taken_for_a_file_store(
+    server, unused_port, tmp_path, monkeypatch, capsys
+):
+    # urlparse("databricks").scheme is "": the standard value was refused as a file store.
+    for name in [name for name in os.environ if name.startswith("DATABRICKS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.databrickscfg
+    profiles = tmp_path / "databrickscfg"
+    profiles.write_text(
+        f"[answers]\nhost = {server}\ntoken = dapi-test\n\n[refuses]\nhost = {server}\ntoken = dapi-old\n\n"
+        f"[gone]\nhost = http://127.0.0.1:{unused_port}\ntoken = dapi-test\n"
+    )
+    monkeypatch.setenv("DATABRICKS_CONFIG_FILE", str(profiles))
+    nothing = open_server_store(monkeypatch, "databricks")
+    assert str(nothing).startswith("MLFLOW_TRACKING_URI=databricks: MLflow found no Databricks credentials")
+    assert "file store" not in str(nothing) and not nothing.unavailable
+
+    assert open_server_store(monkeypatch, "databricks://answers") is None
+    assert Answers.asked == ["/api/2.0/mlflow/experiments/search"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "databricks://refuses")
+    monkeypatch.setattr(Answers, "statuses", [403])
+    assert main(["promote", "--version", "1"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"the Databricks workspace at {server} (MLFLOW_TRACKING_URI=databricks://refuses) refused" in line
+    assert "set DATABRICKS_TOKEN (or the profile's token) to credentials it accepts" in line
+
+    # The Databricks SDK retries a host that does not answer for five minutes before MLflow sees credentials.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    started = time.monotonic()
+    gone = open_server_store(monkeypatch, "databricks://gone")
+    assert time.monotonic() - started < 10
+    assert (
+        "the Databricks host its credentials name did not answer within 2 s" in str(gone) and gone.unavailable
+    )
