@@ -414,6 +414,27 @@ def test_an_output_where_nothing_can_be_created_is_refused_before_any_work(
     assert line.endswith("choose a place this user can write")
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux's /proc")
+def test_a_feature_table_file_that_opens_for_writing_is_written_whatever_its_directory(
+    small_dataset, tmp_path, capsys
+):
+    # /proc/self/fd: a directory where no one, root included, creates anything, holding a file that opens (as
+    # /dev/stdout for a user, or a file made in advance in a read-only directory). Its directory was asked, and
+    # the file refused.
+    table = tmp_path / "features.parquet"
+    table.touch()
+    fd = os.open(table, os.O_RDONLY)
+    try:
+        assert main(["features", "--data", str(small_dataset), "--out", f"/proc/self/fd/{fd}"]) == 0
+    finally:
+        os.close(fd)
+    assert pl.read_parquet(table).height > 0
+    closed = Path("/sys/devices/system/cpu/online")  # a file that does not open for writing, to root either
+    if closed.is_file():
+        line = refused(capsys, ["features", "--data", str(small_dataset), "--out", str(closed)], 2)
+        assert f"--out {closed}: {closed} cannot be opened for writing (" in line
+
+
 def test_a_dataset_that_fails_to_write_after_all_is_named_by_its_own_path(tmp_path, monkeypatch, capsys):
     def disk_full(frame, path, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
