@@ -43,7 +43,7 @@ def load_model(uri: str) -> LoadedModel:
         return load_model_dir(_find_model_dir(local, uri), source=uri)
     if not uri.startswith(("models:/", "runs:/")):
         raise FileNotFoundError(f"model {uri!r}: not a local directory, nor a models:/ or runs:/ URI")
-    configure_tracking()
+    configure_tracking(writes=False)
     registered = registered_version(uri)  # an alias is resolved once: what is downloaded is what it named
     pinned = uri if registered is None else f"models:/{registered[0]}/{registered[1]}"
     downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=pinned))
@@ -65,7 +65,7 @@ def registered_version(uri: str) -> tuple[str, str] | None:
     name, _, alias = name.partition("@")
     if not alias:
         return None  # models:/NAME names no version
-    configure_tracking()
+    configure_tracking(writes=False)
     return name, str(MlflowClient().get_model_version_by_alias(name, alias).version)
 
 

@@ -33,6 +33,8 @@ from mlflow.utils.uri import (
 )
 from sqlalchemy.exc import SQLAlchemyError
 
+from pipeline.data.output_paths import unwritable_file
+
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 # How long a tracking server has to answer the first request, unless MLFLOW_HTTP_REQUEST_TIMEOUT says. MLflow's
 # own client retries an unanswered request for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES), right for a server that
@@ -59,7 +61,10 @@ class TrackingStoreError(Exception):
         self.unavailable = unavailable
 
 
-def configure_tracking() -> str:
+def configure_tracking(writes: bool = True) -> str:
+    """Point MLflow at MLFLOW_TRACKING_URI's store, opened once a process; its URI. `writes`: the caller writes
+    to the store (a run, an alias), so one this user can only read is refused too; else it only reads (loading
+    a model)."""
     # Usage telemetry would try to reach the internet from training machines and CI; keep it off.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # One progress bar per downloaded artifact drowns the tables the commands print.
@@ -71,17 +76,22 @@ def configure_tracking() -> str:
             f"{DEFAULT_TRACKING_URI}, or set it to a store's URI"
         )
     mlflow.set_tracking_uri(uri)
-    _open_store_once(uri)
+    if (read_only := _open_store_once(uri)) and writes:
+        raise TrackingStoreError(
+            f"{_named(uri)}: {read_only}, and this command writes to the store; point MLFLOW_TRACKING_URI at a "
+            "store this user can write"
+        )
     return uri
 
 
 @functools.cache  # once a process: configure_tracking runs before every registry call
-def _open_store_once(uri: str) -> None:
+def _open_store_once(uri: str) -> str | None:
+    """Opens the store; why this user can only read it, or None."""
     # The store's kind as MLflow's own helpers tell it: "databricks" parses as a relative path, not a scheme.
     if is_databricks_uri(uri):
         _check_databricks_answers(uri)
     elif uri.startswith("sqlite:///"):
-        _open_sqlite_store(uri)
+        return _open_sqlite_store(uri)
     elif is_http_uri(uri):
         server = f"the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI)"
         _check_server_answers(server, get_default_host_creds(uri), HTTP_CREDENTIALS)
@@ -89,6 +99,7 @@ def _open_store_once(uri: str) -> None:
         _open_file_store(uri)
     else:  # another database, Unity Catalog, a plugin's scheme, or one MLflow does not know: MLflow says
         _open_with_mlflow(uri, list_one=False)
+    return None
 
 
 def _is_file_store(uri: str) -> bool:
@@ -110,14 +121,15 @@ def _first_line(error: BaseException) -> str:
     )
 
 
-def _open_sqlite_store(uri: str) -> None:
+def _open_sqlite_store(uri: str) -> str | None:
     """Open a SQLite store under a lock file beside it (`mlflow.db.lock`). MLflow creates and migrates a new
     store's tables on first use, unguarded: two jobs opening a new store at once (two `train` runs started
     together) both migrate it, fail with "table ... already exists", and leave it unusable. Under the lock the
-    first opener creates the tables and the others find them; a store that exists costs one query a process."""
+    first opener creates the tables and the others find them; a store that exists costs one query a process.
+    Returns why this user can only read the store, or None."""
     path = uri.removeprefix("sqlite:///").split("?", 1)[0]  # sqlite:////abs -> /abs, sqlite:///rel -> rel
     if not path or path == ":memory:":
-        return
+        return None
     database = Path(path)
     if problem := _sqlite_path_problem(database):
         raise TrackingStoreError(f"{_named(uri)}: {problem}")
@@ -126,15 +138,30 @@ def _open_sqlite_store(uri: str) -> None:
         # A missing directory is made, as MLflow itself does for a SQLite store (`mlflow server`, `mlflow ui`):
         # the path names where the store is to be, and the lock file needs the directory before MLflow does.
         database.parent.mkdir(parents=True, exist_ok=True)
-        lock_file.touch()
+        lock = lock_file.open("a")
     except OSError as error:
+        if _holds_sqlite_header(database):
+            # The lock only guards creating and migrating a new store's tables. A store that exists, in a
+            # directory this user cannot write (a read-only share), is opened without it for the commands that
+            # only read (loading a model); configure_tracking refuses it to those that write.
+            _open_with_mlflow(uri, list_one=True)
+            return f"cannot create {error.filename or lock_file} ({error.strerror})"
         raise TrackingStoreError(
             f"{_named(uri)}: cannot create {error.filename or lock_file} ({error.strerror}); point it at a "
             "directory this user can write"
         ) from error
-    with lock_file.open("a") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         _open_with_mlflow(uri, list_one=True)
+    return unwritable_file(database)  # a database file this user may only read, in a directory it may write
+
+
+def _holds_sqlite_header(database: Path) -> bool:
+    try:
+        with database.open("rb") as file:
+            return file.read(len(SQLITE_HEADER)) == SQLITE_HEADER
+    except OSError:
+        return False
 
 
 def _sqlite_path_problem(database: Path) -> str | None:

@@ -3,11 +3,14 @@ refuses."""
 
 import http.server
 import os
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import ClassVar
 
 import mlflow
@@ -80,6 +83,60 @@ def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, m
 
     assert main(["promote", "--alias", "champion", "--model-name", "held", "--run", run.info.run_id]) == 0
     assert int(client.get_model_version_by_alias("held", "champion").version) == 1
+
+
+READ_THEN_WRITE = """
+import os
+from pipeline.registry.tracking import registered_version
+from pipeline.registry.tracking_store import TrackingStoreError, configure_tracking
+print(registered_version("models:/held@champion"))
+for uri in (os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_TRACKING_URI"].replace("mlflow.db", "new.db")):
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        configure_tracking()
+    except TrackingStoreError as error:
+        print(error)
+"""
+
+
+def run_read_only(directory: Path, code: str) -> subprocess.CompletedProcess:
+    """Runs Python `code` in a process that cannot write in `directory`: chmod for a user; for root, whom
+    permission bits do not stop, a read-only bind mount in a mount namespace of its own."""
+    python = [sys.executable, "-c", code]
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        try:
+            return subprocess.run(python, capture_output=True, text=True, timeout=300)
+        finally:
+            directory.chmod(0o755)
+    where = shlex.quote(str(directory))
+    mount = f"mount --bind {where} {where} && mount -o remount,ro,bind {where} {where}"
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "sh", "-c", mount]).returncode != 0:
+        pytest.skip("root is refused a write only on a read-only mount, and this machine lets it make none")
+    command = ["unshare", "-m", "sh", "-c", f'{mount} && exec "$@"', "sh", *python]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_a_sqlite_store_this_user_can_only_read_serves_models_but_takes_no_writes(tmp_path, monkeypatch):
+    # The lock file beside the store could not be made: the store was refused to commands that only read it.
+    store = tmp_path / "store"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store / 'mlflow.db'}")
+    configure_tracking()
+    client = MlflowClient()
+    with mlflow.start_run() as run:
+        mlflow.log_metric("test/ap", 0.5)
+    client.create_registered_model("held")
+    client.create_model_version("held", f"runs:/{run.info.run_id}/model", run.info.run_id)
+    client.set_registered_model_alias("held", "champion", "1")
+    (store / "mlflow.db.lock").unlink()  # the lock file of whoever made the store is not there to reuse
+    done = run_read_only(store, READ_THEN_WRITE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found, writes, new = done.stdout.strip().splitlines()
+    assert found == "('held', '1')"
+    assert f"{store}/mlflow.db.lock (" in writes and writes.endswith(
+        "and this command writes to the store; point MLFLOW_TRACKING_URI at a store this user can write"
+    )
+    assert f"cannot create {store}/new.db.lock (" in new and new.endswith("directory this user can write")
 
 
 def test_a_directory_is_loaded_only_when_it_holds_exactly_one_model(tmp_path):
