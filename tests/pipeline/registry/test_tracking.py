@@ -23,7 +23,7 @@ from pipeline.features import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
 from pipeline.registry import tracking_store
 from pipeline.registry.artifact import save_model_dir
-from pipeline.registry.names import registered_name_problem
+from pipeline.registry.names import experiment_name_problem, registered_name_problem
 from pipeline.registry.tracking import load_model
 from pipeline.registry.tracking_store import TrackingStoreError, configure_tracking
 
@@ -154,18 +154,76 @@ def test_a_directory_is_loaded_only_when_it_holds_exactly_one_model(tmp_path):
         load_model("")  # Path("") is the working directory
 
 
-@pytest.mark.parametrize(
-    "name", ["bad/name", "a:b", "..", ".", "./x", "x/../y", "ok", "with space", "v2-champion", "ünïcode"]
-)
-def test_the_names_refused_up_front_are_those_the_registry_refuses(name, tmp_path):
-    # The check is MLflow's own (a private function): held here to what a real store does with the name.
+NAMES = [
+    "bad/name",
+    "a:b",
+    "..",
+    ".",
+    "./x",
+    "x/../y",
+    "x/",
+    "ok",
+    "with space",
+    "v2-champion",
+    "ünïcode",
+    " ",
+]
+
+
+@pytest.mark.parametrize("mlflow_check", [True, False], ids=["mlflow's check", "renamed: the rules"])
+@pytest.mark.parametrize("name", NAMES)
+def test_the_names_refused_up_front_are_those_the_registry_refuses(name, mlflow_check, tmp_path, monkeypatch):
+    # The check is MLflow's own (a private function), or where MLflow renamed it, the rules MLflow documents:
+    # either is held here to what a real store does with the name.
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:
         client.create_registered_model(name)
         registry_refuses = False
     except mlflow.exceptions.MlflowException:
         registry_refuses = True
+    if not mlflow_check:  # after the store is asked: MLflow's own store imports it
+        monkeypatch.delattr(mlflow.utils.validation, "_validate_model_name")
     assert (registered_name_problem(name) is not None) == registry_refuses
+
+
+@pytest.mark.parametrize("mlflow_check", [True, False], ids=["mlflow's check", "renamed: the rules"])
+@pytest.mark.parametrize(
+    "name",
+    ["", " ", "x" * 500, "x" * 501, "a/b:c", "ünïcode"],
+    ids=["empty", "blank", "500 chars", "501 chars", "a/b:c", "ünïcode"],
+)
+def test_the_experiment_names_refused_up_front_are_those_a_store_refuses(
+    name, mlflow_check, tmp_path, monkeypatch
+):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        client.create_experiment(name)
+        store_refuses = False
+    except mlflow.exceptions.MlflowException:
+        store_refuses = True
+    if not mlflow_check:  # after the store is asked: MLflow's own store imports it
+        monkeypatch.delattr(mlflow.utils.validation, "_validate_experiment_name")
+    assert (experiment_name_problem(name) is not None) == store_refuses
+
+
+RENAMED_CHECKS = """
+import mlflow.utils.validation
+del mlflow.utils.validation._validate_model_name, mlflow.utils.validation._validate_experiment_name
+import pipeline.registry.tracking  # what the service imports
+from pipeline.registry.names import experiment_name_problem, registered_name_problem
+print(registered_name_problem("bad/name"))
+print(experiment_name_problem("x" * 501))
+"""
+
+
+def test_an_mlflow_that_renamed_its_name_checks_breaks_no_import_and_its_rules_still_apply():
+    # MLflow's checks are private: imported at the top, a rename would have broken the service's import.
+    done = subprocess.run([sys.executable, "-c", RENAMED_CHECKS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "Invalid model name 'bad/name'. Names cannot contain '/' or ':'",
+        "'name' exceeds the maximum length of 500",
+    ]
 
 
 class Answers(http.server.BaseHTTPRequestHandler):
