@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.data.output_paths import unwritable
+from pipeline.data.output_paths import unwritable, unwritable_file
 
 EXIT_INPUT = 2
 EXIT_OUTSIDE = 1
@@ -40,7 +40,9 @@ def _notes(error: BaseException) -> str:
 def check_output(path: Path | None, setting: str, directory: bool = True) -> None:
     """Refuse an output path (given by `setting`, e.g. "--out") that cannot be written, before any work is
     done: a file where a directory goes, a directory where a file goes, a path under a file, or one in a
-    place this user cannot write (nothing is left behind by asking). None: no output asked for."""
+    place this user cannot write (nothing is left behind by asking). A file (`directory=False`) is written in
+    place: one that exists is asked whether it opens for writing, a new one whether its directory takes it.
+    None: no output asked for."""
     if path is None:
         return
     for parent in Path(path).parents:
@@ -54,18 +56,24 @@ def check_output(path: Path | None, setting: str, directory: bool = True) -> Non
         raise OperatorError(
             f"{setting} {path} is a directory; expected the path of a file to write", EXIT_INPUT
         )
-    if problem := unwritable(path if directory else path.parent):
+    if directory:
+        problem = unwritable(path)
+    elif path.exists():  # a file is written in place (features: polars opens the path itself), not beside it
+        problem = unwritable_file(path)
+    else:
+        problem = unwritable(path.parent)
+    if problem:
         raise OperatorError(f"{setting} {path}: {problem}; choose a place this user can write", EXIT_INPUT)
 
 
 @contextmanager
 def tracking_errors() -> Iterator[None]:
-    """A tracking store that cannot be used (pipeline.registry.tracking.TrackingStoreError, raised where a command
-    first opens it) becomes an OperatorError: exit 1 for a server that refused or did not answer, else 2."""
+    """A tracking store that cannot be used (pipeline.registry.tracking_store.TrackingStoreError, raised where a
+    command first opens it) becomes an OperatorError: exit 1 for a server that refused or did not answer, else 2."""
     try:
         yield
     except Exception as error:
-        tracking = sys.modules.get("pipeline.registry.tracking")
+        tracking = sys.modules.get("pipeline.registry.tracking_store")
         if tracking is None or not isinstance(error, tracking.TrackingStoreError):
             raise
         raise OperatorError(str(error), EXIT_OUTSIDE if error.unavailable else EXIT_INPUT) from error

@@ -18,7 +18,7 @@ from models.checks import is_finite_number, is_integer, read_number, read_settin
 from models.registry import REGISTRY, config_class
 from pipeline.data.splits import DAY, Period, Split, dataset_days
 from pipeline.evaluation.protocol import MAX_K
-from pipeline.registry.tracking import experiment_name_problem, registered_name_problem
+from pipeline.registry.names import experiment_name_problem, registered_name_problem
 
 SEQUENCE_MODELS = ("lstm", "transformer", "linear_transformer", "hybrid")
 

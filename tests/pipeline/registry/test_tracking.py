@@ -2,10 +2,16 @@
 refuses."""
 
 import http.server
+import os
+import shlex
+import shutil
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import ClassVar
 
 import mlflow
 import pytest
@@ -15,13 +21,11 @@ from models.registry import build_detector
 from pipeline.cli.main import main
 from pipeline.features import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
+from pipeline.registry import tracking_store
 from pipeline.registry.artifact import save_model_dir
-from pipeline.registry.tracking import (
-    TrackingStoreError,
-    configure_tracking,
-    load_model,
-    registered_name_problem,
-)
+from pipeline.registry.names import experiment_name_problem, registered_name_problem
+from pipeline.registry.tracking import load_model
+from pipeline.registry.tracking_store import TrackingStoreError, configure_tracking
 
 OPEN_STORE = """
 from pipeline.registry.tracking import configure_tracking
@@ -81,6 +85,60 @@ def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, m
     assert int(client.get_model_version_by_alias("held", "champion").version) == 1
 
 
+READ_THEN_WRITE = """
+import os
+from pipeline.registry.tracking import registered_version
+from pipeline.registry.tracking_store import TrackingStoreError, configure_tracking
+print(registered_version("models:/held@champion"))
+for uri in (os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_TRACKING_URI"].replace("mlflow.db", "new.db")):
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        configure_tracking()
+    except TrackingStoreError as error:
+        print(error)
+"""
+
+
+def run_read_only(directory: Path, code: str) -> subprocess.CompletedProcess:
+    """Runs Python `code` in a process that cannot write in `directory`: chmod for a user; for root, whom
+    permission bits do not stop, a read-only bind mount in a mount namespace of its own."""
+    python = [sys.executable, "-c", code]
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        try:
+            return subprocess.run(python, capture_output=True, text=True, timeout=300)
+        finally:
+            directory.chmod(0o755)
+    where = shlex.quote(str(directory))
+    mount = f"mount --bind {where} {where} && mount -o remount,ro,bind {where} {where}"
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "sh", "-c", mount]).returncode != 0:
+        pytest.skip("root is refused a write only on a read-only mount, and this machine lets it make none")
+    command = ["unshare", "-m", "sh", "-c", f'{mount} && exec "$@"', "sh", *python]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_a_sqlite_store_this_user_can_only_read_serves_models_but_takes_no_writes(tmp_path, monkeypatch):
+    # The lock file beside the store could not be made: the store was refused to commands that only read it.
+    store = tmp_path / "store"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store / 'mlflow.db'}")
+    configure_tracking()
+    client = MlflowClient()
+    with mlflow.start_run() as run:
+        mlflow.log_metric("test/ap", 0.5)
+    client.create_registered_model("held")
+    client.create_model_version("held", f"runs:/{run.info.run_id}/model", run.info.run_id)
+    client.set_registered_model_alias("held", "champion", "1")
+    (store / "mlflow.db.lock").unlink()  # the lock file of whoever made the store is not there to reuse
+    done = run_read_only(store, READ_THEN_WRITE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found, writes, new = done.stdout.strip().splitlines()
+    assert found == "('held', '1')"
+    assert f"{store}/mlflow.db.lock (" in writes and writes.endswith(
+        "and this command writes to the store; point MLFLOW_TRACKING_URI at a store this user can write"
+    )
+    assert f"cannot create {store}/new.db.lock (" in new and new.endswith("directory this user can write")
+
+
 def test_a_directory_is_loaded_only_when_it_holds_exactly_one_model(tmp_path):
     spec = FeatureSpec(mean=(0.0,) * len(FEATURE_NAMES), std=(1.0,) * len(FEATURE_NAMES))
     detector = build_detector("lstm", {"num_features": len(FEATURE_NAMES), "d_model": 8, "num_layers": 1})
@@ -96,40 +154,116 @@ def test_a_directory_is_loaded_only_when_it_holds_exactly_one_model(tmp_path):
         load_model("")  # Path("") is the working directory
 
 
-@pytest.mark.parametrize(
-    "name", ["bad/name", "a:b", "..", ".", "./x", "x/../y", "ok", "with space", "v2-champion", "ünïcode"]
-)
-def test_the_names_refused_up_front_are_those_the_registry_refuses(name, tmp_path):
-    # The check is MLflow's own (a private function): held here to what a real store does with the name.
+NAMES = [
+    "bad/name",
+    "a:b",
+    "..",
+    ".",
+    "./x",
+    "x/../y",
+    "x/",
+    "ok",
+    "with space",
+    "v2-champion",
+    "ünïcode",
+    " ",
+]
+
+
+@pytest.mark.parametrize("mlflow_check", [True, False], ids=["mlflow's check", "renamed: the rules"])
+@pytest.mark.parametrize("name", NAMES)
+def test_the_names_refused_up_front_are_those_the_registry_refuses(name, mlflow_check, tmp_path, monkeypatch):
+    # The check is MLflow's own (a private function), or where MLflow renamed it, the rules MLflow documents:
+    # either is held here to what a real store does with the name.
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:
         client.create_registered_model(name)
         registry_refuses = False
     except mlflow.exceptions.MlflowException:
         registry_refuses = True
+    if not mlflow_check:  # after the store is asked: MLflow's own store imports it
+        monkeypatch.delattr(mlflow.utils.validation, "_validate_model_name")
     assert (registered_name_problem(name) is not None) == registry_refuses
 
 
-class Answers(http.server.BaseHTTPRequestHandler):
-    """A tracking server's stand-in: answers the search for experiments with `status`."""
+@pytest.mark.parametrize("mlflow_check", [True, False], ids=["mlflow's check", "renamed: the rules"])
+@pytest.mark.parametrize(
+    "name",
+    ["", " ", "x" * 500, "x" * 501, "a/b:c", "ünïcode"],
+    ids=["empty", "blank", "500 chars", "501 chars", "a/b:c", "ünïcode"],
+)
+def test_the_experiment_names_refused_up_front_are_those_a_store_refuses(
+    name, mlflow_check, tmp_path, monkeypatch
+):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        client.create_experiment(name)
+        store_refuses = False
+    except mlflow.exceptions.MlflowException:
+        store_refuses = True
+    if not mlflow_check:  # after the store is asked: MLflow's own store imports it
+        monkeypatch.delattr(mlflow.utils.validation, "_validate_experiment_name")
+    assert (experiment_name_problem(name) is not None) == store_refuses
 
-    status = 200
+
+RENAMED_CHECKS = """
+import mlflow.utils.validation
+del mlflow.utils.validation._validate_model_name, mlflow.utils.validation._validate_experiment_name
+import pipeline.registry.tracking  # what the service imports
+from pipeline.registry.names import experiment_name_problem, registered_name_problem
+print(registered_name_problem("bad/name"))
+print(experiment_name_problem("x" * 501))
+"""
+
+
+def test_an_mlflow_that_renamed_its_name_checks_breaks_no_import_and_its_rules_still_apply():
+    # MLflow's checks are private: imported at the top, a rename would have broken the service's import.
+    done = subprocess.run([sys.executable, "-c", RENAMED_CHECKS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "Invalid model name 'bad/name'. Names cannot contain '/' or ':'",
+        "'name' exceeds the maximum length of 500",
+    ]
+
+
+class Answers(http.server.BaseHTTPRequestHandler):
+    """A tracking server's stand-in: answers each search for experiments with the next of `statuses` (200 once
+    they run out), `delay_seconds` late, and counts the requests in `asked`."""
+
+    statuses: ClassVar[list[int]] = []
+    delay_seconds = 0.0
+    asked: ClassVar[list[str]] = []
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        body = b'{"experiments": []}' if self.status == 200 else b'{"error_code": "PERMISSION_DENIED"}'
-        self.send_response(self.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
+        self.asked.append(self.path)
+        time.sleep(self.delay_seconds)
+        status = self.statuses.pop(0) if self.statuses else 200
+        body = b'{"experiments": []}' if status == 200 else b'{"error_code": "PERMISSION_DENIED"}'
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except ConnectionError:
+            pass  # a client that stopped waiting
+
+    def do_GET(self):  # what the Databricks SDK asks a workspace for before it sends a request
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
         self.end_headers()
-        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
 
 
 @pytest.fixture
-def server():
+def server(monkeypatch):
+    monkeypatch.setattr(Answers, "statuses", [])
+    monkeypatch.setattr(Answers, "asked", [])
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers) as httpd:
         thread = threading.Thread(target=httpd.serve_forever, daemon=True)
         thread.start()
@@ -137,17 +271,114 @@ def server():
         httpd.shutdown()
 
 
-def test_a_tracking_server_that_answers_is_used_and_one_that_refuses_is_named(server, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
-    started = time.monotonic()
-    assert configure_tracking() == server
-    assert time.monotonic() - started < 5  # one request, answered at once
-    monkeypatch.setattr(Answers, "status", 403)
-    refused = f"{server}/"  # another URI for the same server: the first answer was kept for the first
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", refused)
-    with pytest.raises(TrackingStoreError) as error:
+@pytest.fixture
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed on return: nothing listens there
+
+
+def open_server_store(monkeypatch, uri: str, *statuses: int) -> TrackingStoreError | None:
+    """Opens `uri` (each a store of its own: the store is opened once a process) with the server answering
+    `statuses` first; the refusal, or None."""
+    monkeypatch.setattr(Answers, "statuses", list(statuses))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    try:
         configure_tracking()
-    assert str(error.value).startswith(
-        f"the MLflow tracking server at {refused} (MLFLOW_TRACKING_URI) refused"
+    except TrackingStoreError as error:
+        return error
+    return None
+
+
+def test_a_tracking_server_that_answers_is_used_and_one_that_refuses_is_named(server, monkeypatch):
+    started = time.monotonic()
+    assert open_server_store(monkeypatch, server) is None
+    assert time.monotonic() - started < 5  # one request, answered at once
+    refused = open_server_store(monkeypatch, f"{server}/refuses", 404)
+    assert str(refused).startswith(
+        f"the MLflow tracking server at {server}/refuses (MLFLOW_TRACKING_URI) answered"
     )
-    assert "PERMISSION_DENIED" in str(error.value) and error.value.unavailable
+    assert "HTTP 404: PERMISSION_DENIED" in str(refused) and refused.unavailable
+
+
+def test_a_busy_tracking_server_is_asked_again_and_refused_credentials_are_a_setting(
+    server, monkeypatch, capsys
+):
+    # One 429 or 503 failed the command; a 401 or 403 was reported as a server that is down (exit 1).
+    monkeypatch.setattr(tracking_store, "BUSY_RETRY_WAITS_SECONDS", (0.1, 0.1))
+    assert open_server_store(monkeypatch, f"{server}/busy", 503, 429) is None
+    assert Answers.asked == ["/busy/api/2.0/mlflow/experiments/search"] * 3
+    down = open_server_store(monkeypatch, f"{server}/down", 503, 503, 503)
+    assert "answered HTTP 503: " in str(down) and down.unavailable and len(Answers.asked) == 6
+    for status in (401, 403):
+        uri = f"{server}/{status}"
+        monkeypatch.setattr(Answers, "statuses", [status])
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        assert main(["promote", "--version", "1"]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert (
+            f"the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI) refused this client (HTTP {status}: "
+            in line
+        )
+        assert (
+            "set MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, to " in line
+        )
+
+
+def test_the_users_own_http_timeout_and_retries_are_kept(server, monkeypatch):
+    # MLFLOW_HTTP_REQUEST_TIMEOUT and MLFLOW_HTTP_REQUEST_MAX_RETRIES were overridden by a fixed 10 s, no retries.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    assert "answered HTTP 503" in str(open_server_store(monkeypatch, f"{server}/once", 503))
+    assert len(Answers.asked) == 1  # the user asked for no retries
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "4")
+    assert open_server_store(monkeypatch, f"{server}/four", 503, 503, 503, 503) is None
+    assert len(Answers.asked) == 6  # four retries, MLflow's own
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    monkeypatch.setattr(Answers, "delay_seconds", 3)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    started = time.monotonic()
+    slow = open_server_store(monkeypatch, f"{server}/slow")
+    assert time.monotonic() - started < 2.5 and "did not answer within 1 s: " in str(slow)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "soon")
+    bad = open_server_store(monkeypatch, f"{server}/bad")
+    assert (
+        str(bad) == "MLFLOW_HTTP_REQUEST_TIMEOUT='soon': expected a whole number; set it to one, or unset it"
+    )
+    assert not bad.unavailable
+
+
+def test_a_databricks_store_is_asked_at_its_workspace_not_taken_for_a_file_store(
+    server, unused_port, tmp_path, monkeypatch, capsys
+):
+    # urlparse("databricks").scheme is "": the standard value was refused as a file store.
+    for name in [name for name in os.environ if name.startswith("DATABRICKS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.databrickscfg
+    profiles = tmp_path / "databrickscfg"
+    profiles.write_text(
+        f"[answers]\nhost = {server}\ntoken = dapi-test\n\n[refuses]\nhost = {server}\ntoken = dapi-old\n\n"
+        f"[gone]\nhost = http://127.0.0.1:{unused_port}\ntoken = dapi-test\n"
+    )
+    monkeypatch.setenv("DATABRICKS_CONFIG_FILE", str(profiles))
+    nothing = open_server_store(monkeypatch, "databricks")
+    assert str(nothing).startswith("MLFLOW_TRACKING_URI=databricks: MLflow found no Databricks credentials")
+    assert "file store" not in str(nothing) and not nothing.unavailable
+
+    assert open_server_store(monkeypatch, "databricks://answers") is None
+    assert Answers.asked == ["/api/2.0/mlflow/experiments/search"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "databricks://refuses")
+    monkeypatch.setattr(Answers, "statuses", [403])
+    assert main(["promote", "--version", "1"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"the Databricks workspace at {server} (MLFLOW_TRACKING_URI=databricks://refuses) refused" in line
+    assert "set DATABRICKS_TOKEN (or the profile's token) to credentials it accepts" in line
+
+    # The Databricks SDK retries a host that does not answer for five minutes before MLflow sees credentials.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    started = time.monotonic()
+    gone = open_server_store(monkeypatch, "databricks://gone")
+    assert time.monotonic() - started < 10
+    assert (
+        "the Databricks host its credentials name did not answer within 2 s" in str(gone) and gone.unavailable
+    )

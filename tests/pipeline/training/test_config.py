@@ -1,6 +1,8 @@
 """Train settings: defaults in code, profiles of what differs, and errors that name the file and the key."""
 
 import re
+import subprocess
+import sys
 
 import polars as pl
 import pytest
@@ -21,6 +23,13 @@ from pipeline.training.config import (
 from pipeline.training.train import train
 
 PROFILES = sorted(PROFILES_DIR.glob("*.yaml"))
+
+
+def test_reading_the_train_config_does_not_import_mlflow():
+    # The registry name checks imported MLflow (seconds) with the config module; they now do so when they run.
+    code = "import sys, pipeline.training.config; print(sorted(m for m in sys.modules if m.startswith('mlflow')))"
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == "[]"
 
 
 def test_the_profile_the_demo_and_notebooks_train_with_is_shipped():
