@@ -238,6 +238,18 @@ def test_print_config_needs_no_broker_or_model_and_masks_secrets(tmp_path, monke
     assert '# kafka_sasl_password:          "********"  # TXS_KAFKA_SASL_PASSWORD_FILE' in out
 
 
+# Every command that writes an output, with it at {out}
+WRITING_COMMANDS = [
+    ["generate", "--accounts", "5", "--days", "1", "--out", "{out}"],
+    ["ingest", "{data}/transactions.parquet", "--mapping", "canonical", "--out", "{out}"],
+    ["features", "--data", "{data}", "--out", "{out}/features.parquet"],
+    ["train", "--data", "{data}", "--model", "logreg", "--set", "out_dir={out}"],
+    ["backtest", "--data", "{data}", "--model", "models:/nope@champion", "--out", "{out}"],
+    ["compare", "--out", "{out}"],
+    ["schemas", "--out", "{out}"],
+]
+
+
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory):
     data = tmp_path_factory.mktemp("data") / "data"
@@ -245,19 +257,7 @@ def small_dataset(tmp_path_factory):
     return data
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["generate", "--accounts", "5", "--days", "1", "--out", "{out}"],
-        ["ingest", "{data}/transactions.parquet", "--mapping", "canonical", "--out", "{out}"],
-        ["features", "--data", "{data}", "--out", "{out}/features.parquet"],
-        ["train", "--data", "{data}", "--model", "logreg", "--set", "out_dir={out}"],
-        ["backtest", "--data", "{data}", "--model", "models:/nope@champion", "--out", "{out}"],
-        ["compare", "--out", "{out}"],
-        ["schemas", "--out", "{out}"],
-    ],
-    ids=lambda argv: argv[0],
-)
+@pytest.mark.parametrize("argv", WRITING_COMMANDS, ids=lambda argv: argv[0])
 def test_an_output_that_is_a_file_is_refused_before_any_work(argv, small_dataset, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("keep me")
@@ -391,19 +391,7 @@ def test_a_registered_model_name_the_registry_refuses_is_named_before_any_data_i
 UNWRITABLE = Path("/proc/txsentinel-test")  # refused to root as well: permission bits do not tell
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["generate", "--accounts", "5", "--days", "1", "--out", "{out}"],
-        ["ingest", "{data}/transactions.parquet", "--mapping", "canonical", "--out", "{out}"],
-        ["features", "--data", "{data}", "--out", "{out}/features.parquet"],
-        ["train", "--data", "{data}", "--model", "logreg", "--set", "out_dir={out}"],
-        ["backtest", "--data", "{data}", "--model", "models:/nope@champion", "--out", "{out}"],
-        ["compare", "--out", "{out}"],
-        ["schemas", "--out", "{out}"],
-    ],
-    ids=lambda argv: argv[0],
-)
+@pytest.mark.parametrize("argv", WRITING_COMMANDS, ids=lambda argv: argv[0])
 def test_an_output_where_nothing_can_be_created_is_refused_before_any_work(
     argv, small_dataset, tmp_path, monkeypatch, capsys
 ):

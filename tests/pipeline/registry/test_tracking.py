@@ -170,40 +170,39 @@ NAMES = [
 ]
 
 
-@pytest.mark.parametrize("mlflow_check", [True, False], ids=["mlflow's check", "renamed: the rules"])
-@pytest.mark.parametrize("name", NAMES)
-def test_the_names_refused_up_front_are_those_the_registry_refuses(name, mlflow_check, tmp_path, monkeypatch):
-    # The check is MLflow's own (a private function), or where MLflow renamed it, the rules MLflow documents:
-    # either is held here to what a real store does with the name.
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    try:
-        client.create_registered_model(name)
-        registry_refuses = False
-    except mlflow.exceptions.MlflowException:
-        registry_refuses = True
-    if not mlflow_check:  # after the store is asked: MLflow's own store imports it
-        monkeypatch.delattr(mlflow.utils.validation, "_validate_model_name")
-    assert (registered_name_problem(name) is not None) == registry_refuses
+EXPERIMENT_NAMES = ["", " ", "x" * 500, "x" * 501, "a/b:c", "ünïcode"]
+# kind -> (how a store is asked to make one, MLflow's private check of its name, the project's check)
+NAME_KINDS = {
+    "registered model": (
+        MlflowClient.create_registered_model,
+        "_validate_model_name",
+        registered_name_problem,
+    ),
+    "experiment": (MlflowClient.create_experiment, "_validate_experiment_name", experiment_name_problem),
+}
 
 
 @pytest.mark.parametrize("mlflow_check", [True, False], ids=["mlflow's check", "renamed: the rules"])
 @pytest.mark.parametrize(
-    "name",
-    ["", " ", "x" * 500, "x" * 501, "a/b:c", "ünïcode"],
-    ids=["empty", "blank", "500 chars", "501 chars", "a/b:c", "ünïcode"],
+    ("kind", "name"),
+    [("registered model", name) for name in NAMES] + [("experiment", name) for name in EXPERIMENT_NAMES],
+    ids=lambda value: value[:12] if isinstance(value, str) else value,
 )
-def test_the_experiment_names_refused_up_front_are_those_a_store_refuses(
-    name, mlflow_check, tmp_path, monkeypatch
+def test_the_names_refused_up_front_are_those_a_real_store_refuses(
+    kind, name, mlflow_check, tmp_path, monkeypatch
 ):
+    # The check is MLflow's own (a private function), or where MLflow renamed it, the rules MLflow documents:
+    # either is held here to what a real store does with the name.
+    create, private_check, problem = NAME_KINDS[kind]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:
-        client.create_experiment(name)
+        create(client, name)
         store_refuses = False
     except mlflow.exceptions.MlflowException:
         store_refuses = True
     if not mlflow_check:  # after the store is asked: MLflow's own store imports it
-        monkeypatch.delattr(mlflow.utils.validation, "_validate_experiment_name")
-    assert (experiment_name_problem(name) is not None) == store_refuses
+        monkeypatch.delattr(mlflow.utils.validation, private_check)
+    assert (problem(name) is not None) == store_refuses
 
 
 RENAMED_CHECKS = """
