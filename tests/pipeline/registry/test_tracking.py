@@ -48,15 +48,22 @@ def test_jobs_that_open_a_new_sqlite_store_together_all_succeed_and_leave_it_usa
     assert sorted(names) == ["Default", "opened-together"]  # the store opens afterwards, each created once
 
 
-def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, monkeypatch, capsys):
-    # A real SQLite store holding one registered version, promoted by the CLI as an operator would.
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+def store_holding_one_version(directory, monkeypatch) -> tuple[MlflowClient, str]:
+    """A real SQLite store in `directory`, made the tracking store, holding version 1 of model "held": its
+    client, and the run the version came from."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{directory / 'mlflow.db'}")
     configure_tracking()
     client = MlflowClient()
     with mlflow.start_run() as run:
         mlflow.log_metric("test/ap", 0.5)
     client.create_registered_model("held")
     client.create_model_version("held", f"runs:/{run.info.run_id}/model", run.info.run_id)
+    return client, run.info.run_id
+
+
+def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, monkeypatch, capsys):
+    # A real SQLite store holding one registered version, promoted by the CLI as an operator would.
+    client, run_id = store_holding_one_version(tmp_path, monkeypatch)
 
     def refusal(*argv: str) -> str:
         assert main(["promote", "--alias", "champion", *argv]) == 2
@@ -81,7 +88,7 @@ def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, m
     with pytest.raises(mlflow.exceptions.MlflowException):  # no alias was set by any refusal
         client.get_model_version_by_alias("held", "champion")
 
-    assert main(["promote", "--alias", "champion", "--model-name", "held", "--run", run.info.run_id]) == 0
+    assert main(["promote", "--alias", "champion", "--model-name", "held", "--run", run_id]) == 0
     assert int(client.get_model_version_by_alias("held", "champion").version) == 1
 
 
@@ -120,13 +127,7 @@ def run_read_only(directory: Path, code: str) -> subprocess.CompletedProcess:
 def test_a_sqlite_store_this_user_can_only_read_serves_models_but_takes_no_writes(tmp_path, monkeypatch):
     # The lock file beside the store could not be made: the store was refused to commands that only read it.
     store = tmp_path / "store"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store / 'mlflow.db'}")
-    configure_tracking()
-    client = MlflowClient()
-    with mlflow.start_run() as run:
-        mlflow.log_metric("test/ap", 0.5)
-    client.create_registered_model("held")
-    client.create_model_version("held", f"runs:/{run.info.run_id}/model", run.info.run_id)
+    client, _ = store_holding_one_version(store, monkeypatch)
     client.set_registered_model_alias("held", "champion", "1")
     (store / "mlflow.db.lock").unlink()  # the lock file of whoever made the store is not there to reuse
     done = run_read_only(store, READ_THEN_WRITE)
