@@ -183,27 +183,36 @@ NAME_KINDS = {
 }
 
 
+NAME_CASES = [("registered model", name) for name in NAMES] + [
+    ("experiment", name) for name in EXPERIMENT_NAMES
+]
+
+
+@pytest.fixture(scope="module")
+def store_refuses(tmp_path_factory) -> dict[tuple[str, str], bool]:
+    """{(kind, name): whether a real store refuses to make one so named}, asked of one store once."""
+    client = MlflowClient(f"sqlite:///{tmp_path_factory.mktemp('names') / 'mlflow.db'}")
+    refuses = {}
+    for kind, name in NAME_CASES:
+        try:
+            NAME_KINDS[kind][0](client, name)
+            refuses[kind, name] = False
+        except mlflow.exceptions.MlflowException:
+            refuses[kind, name] = True
+    return refuses
+
+
 @pytest.mark.parametrize("mlflow_check", [True, False], ids=["mlflow's check", "renamed: the rules"])
-@pytest.mark.parametrize(
-    ("kind", "name"),
-    [("registered model", name) for name in NAMES] + [("experiment", name) for name in EXPERIMENT_NAMES],
-    ids=lambda value: value[:12] if isinstance(value, str) else value,
-)
+@pytest.mark.parametrize(("kind", "name"), NAME_CASES, ids=lambda value: value[:12])
 def test_the_names_refused_up_front_are_those_a_real_store_refuses(
-    kind, name, mlflow_check, tmp_path, monkeypatch
+    kind, name, mlflow_check, store_refuses, monkeypatch
 ):
     # The check is MLflow's own (a private function), or where MLflow renamed it, the rules MLflow documents:
     # either is held here to what a real store does with the name.
-    create, private_check, problem = NAME_KINDS[kind]
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    try:
-        create(client, name)
-        store_refuses = False
-    except mlflow.exceptions.MlflowException:
-        store_refuses = True
-    if not mlflow_check:  # after the store is asked: MLflow's own store imports it
+    _, private_check, problem = NAME_KINDS[kind]
+    if not mlflow_check:  # after the store was asked: MLflow's own store imports it
         monkeypatch.delattr(mlflow.utils.validation, private_check)
-    assert (problem(name) is not None) == store_refuses
+    assert (problem(name) is not None) == store_refuses[kind, name]
 
 
 RENAMED_CHECKS = """
