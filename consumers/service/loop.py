@@ -118,9 +118,8 @@ class _Service(Restore, Transactions, Bookkeeping):
         self.observed: list = []  # what the batch being scored fed the drift window (stats.py counts it)
         self.scorer.on_scored = lambda *scored: self.observed.append(scored)
         self.health_at = -math.inf  # time.monotonic() of the last drift and state-health refresh
-        self.metadata_at = (
-            time.monotonic()
-        )  # of the consumer's last metadata read asked for (_watch_metadata)
+        # time.monotonic() of the consumer's last metadata read (_watch_metadata): the start has just read it
+        self.metadata_at = time.monotonic()
         self.initial_state = self.scorer.detector.init_state(1)  # what state health compares held states to
         self.health_rng = np.random.default_rng(0)  # which held states it samples
         self.fatal: BaseException | None = None  # raised in a rebalance callback, re-raised by run()

@@ -26,7 +26,6 @@ Layout. One partition, compacted, no time retention. Keys that start with a NUL 
 
 import json
 import logging
-import math
 import struct
 import time
 from collections.abc import Iterable
@@ -198,14 +197,9 @@ def _let_corrupt_records_go(topic: str, table: StateTable, last_day: int) -> lis
     the deltas and labels after the table's positions."""
     keys = list(table.slot_of)
     records = table.records[np.fromiter(table.slot_of.values(), dtype=np.int64, count=len(keys))]
-    to_come = np.zeros(len(keys), dtype=bool)
-    for name in ("max_day", "day", "report_day", "reported_day"):
-        days = records[name].reshape(len(keys), math.prod(records.dtype[name].shape))  # explicit: N may be 0
-        to_come |= (days > last_day).any(axis=1)
-    bad = np.flatnonzero(record_faults(records) | to_come).tolist()
+    bad = np.flatnonzero(record_faults(records, last_day)).tolist()
     if bad:
-        first = records[bad[0]]
-        reason = record_fault(first) or f"a day after {last_day}, the last a ts may fall on now"
+        reason = record_fault(records[bad[0]], last_day)
         log.error(
             "terminal table records refused, their counts start again from the deltas and labels: topic=%s "
             "terminals=%d first=%r: %s, which no events or labels give (a corrupt record; the next flush of "

@@ -42,12 +42,13 @@ _BUCKETS = np.arange(RING_DAYS)
 Fault = tuple[str, np.ndarray, str]
 
 
-def record_faults(records: np.ndarray) -> np.ndarray:
+def record_faults(records: np.ndarray, last_day: int = MAX_EPOCH_DAY) -> np.ndarray:
     """[N] whether each record [N] (ACCOUNT_STATE or TERMINAL_STATE) breaks a bound that every fold keeps
-    (record_fault says which)."""
+    (record_fault says which). `last_day`: the last day one may hold, when the reader knows one before
+    MAX_EPOCH_DAY (the last a ts may fall on now: a later one is still to come)."""
     bad = np.zeros(len(records), dtype=bool)
     wide: dict[int, np.ndarray] = {}  # faults of fields of one width, joined before one reduction (the cost)
-    for _, wrong, _ in _faults(records):
+    for _, wrong, _ in _faults(records, last_day):
         if wrong.ndim == 1:
             bad |= wrong
         else:
@@ -60,26 +61,26 @@ def record_faults(records: np.ndarray) -> np.ndarray:
     return bad
 
 
-def record_fault(record: np.ndarray) -> str | None:
+def record_fault(record: np.ndarray, last_day: int = MAX_EPOCH_DAY) -> str | None:
     """What record_faults finds wrong in one record, in words: the first field that breaks a bound, its value
     and the bound; None when nothing."""
     records = record.reshape(1)
-    for name, wrong, expected in _faults(records):
+    for name, wrong, expected in _faults(records, last_day):
         at = np.flatnonzero(wrong)
         if len(at):
             return f"{name} = {records[name].reshape(-1)[at[0]].item()!r}, expected {expected}"
     return None
 
 
-def _faults(records: np.ndarray) -> list[Fault]:
+def _faults(records: np.ndarray, last_day: int) -> list[Fault]:
     """Every check of records [N]: each field's range first, then how the fields hold together."""
     with np.errstate(all="ignore"):  # a corrupt record's values may overflow on the way to being refused
         days = np.ascontiguousarray(records["day"])  # [N, RING_DAYS]: read by several checks
         faults = [
             (
                 name,
-                _out_of_range(name, days if name == "day" else records[name]),
-                _range(name, records.dtype[name]),
+                _out_of_range(name, days if name == "day" else records[name], last_day),
+                _range(name, records.dtype[name], last_day),
             )
             for name in records.dtype.names
         ]
@@ -91,11 +92,11 @@ def _faults(records: np.ndarray) -> list[Fault]:
     return faults
 
 
-def _out_of_range(name: str, values: np.ndarray) -> np.ndarray:
+def _out_of_range(name: str, values: np.ndarray, last_day: int) -> np.ndarray:
     if name == "last_ts_us":
         return (values < 0) | (values > MAX_TS_US)
     if name.endswith("day"):  # max_day and the rings' days: -1 is empty
-        return (values < -1) | (values > MAX_EPOCH_DAY)
+        return (values < -1) | (values > last_day)
     if values.dtype.kind == "f":  # sums of log-amounts and amounts, all >= 0
         return ~np.isfinite(values) | (values < 0)
     if values.dtype.kind == "i":  # counts
@@ -103,11 +104,12 @@ def _out_of_range(name: str, values: np.ndarray) -> np.ndarray:
     return np.zeros(values.shape, dtype=bool)  # bitsets and hashes: any bits
 
 
-def _range(name: str, dtype: np.dtype) -> str:
+def _range(name: str, dtype: np.dtype, last_day: int) -> str:
     if name == "last_ts_us":
         return f"0..{MAX_TS_US} (microseconds since the epoch)"
     if name.endswith("day"):
-        return f"an epoch day in 0..{MAX_EPOCH_DAY}, or -1 for none"
+        to_come = " (a later one is still to come)" if last_day < MAX_EPOCH_DAY else ""
+        return f"an epoch day in 0..{last_day}{to_come}, or -1 for none"
     return "a finite sum >= 0" if dtype.kind == "f" else "a count >= 0"
 
 
