@@ -148,7 +148,8 @@ METRICS = {
     "txsentinel_drift_window_events": ("gauge", "Scored events in the drift window."),
     "txsentinel_window_alerts_per_day": (
         "gauge",
-        "Alerts per day of event time over the drift window (this instance's partitions only).",
+        "Alerts per day of event time over the drift window: alerts per event times the events a day between its "
+        "10th and 90th percentile event times (this instance's partitions only; NaN: that span under a minute).",
     ),
     "txsentinel_alert_budget_per_day": (
         "gauge",

@@ -50,14 +50,88 @@ def test_the_window_slides_by_whole_batches_and_keeps_at_least_its_size():
         drift.observe(*batch(rng, m=100))
     assert drift.events == 300 and len(drift.batches) == 3
     assert drift.counts.sum() == 300 * 3  # two features and the scores, one bin each per event
+    assert sum(len(b.ts_us) for b in drift.batches) == 300  # the event times leave with their batches
 
 
-def test_alerts_per_day_over_the_windows_event_time():
+NOW_US = 1_772_323_200_000_000  # 2026-03-01T00:00:00Z
+REPLAYED_US = 1_559_347_200_000_000  # 2019-06-01T00:00:00Z: history a backtest replays
+Y2000_US = 946_684_800_000_000  # 2000-01-01T00:00:00Z, the earliest ts the service accepts by default
+
+
+def storm(rng, start_us, batches=40, m=500, per_day=10_000, alert_share=0.2):
+    """Batches of a stream of per_day events a day of event time from start_us, arriving at random within each
+    batch's stretch, alert_share of each batch alerts: alert_share * per_day alerts a day (2,000)."""
+    out = []
+    for b in range(batches):
+        features, _, _ = batch(rng, m)
+        scores = np.where(rng.permutation(m) < round(alert_share * m), 0.9, 0.1)
+        stretch_us = m * DAY_US // per_day
+        out.append((features, scores, start_us + b * stretch_us + np.sort(rng.integers(0, stretch_us, m))))
+    return out
+
+
+def storm_rate(batches) -> float:
+    drift = window(np.random.default_rng(0), window_events=20_000)
+    for features, scores, ts_us in batches:
+        drift.observe(features, scores, ts_us)
+    return drift.alerts_per_day()
+
+
+def test_evenly_spaced_events_give_their_rate_exactly_and_steady_traffic_its_rate():
     rng = np.random.default_rng(2)
     drift = window(rng, window_events=10_000)
-    features, _, _ = batch(rng, m=4)
-    drift.observe(features, np.array([0.9, 0.1, 0.6, 0.2]), np.array([0, DAY_US // 4, DAY_US // 2, DAY_US]))
+    features, _, _ = batch(rng, m=4)  # an event every 6 hours is 4 a day; 2 of 4 alert: 2 alerts a day
+    drift.observe(features, np.array([0.9, 0.1, 0.6, 0.2]), np.arange(4) * DAY_US // 4)
     assert drift.alerts_per_day() == pytest.approx(2.0)
+    drift = window(rng, window_events=10_000)
+    features, _, _ = batch(rng, m=1000)  # one every 86.4 s is 1,000 a day; one in ten alerts
+    drift.observe(
+        features, np.where(np.arange(1000) % 10 == 0, 0.9, 0.1), NOW_US + np.arange(1000) * 86_400_000
+    )
+    assert drift.alerts_per_day() == pytest.approx(100.0)
+    assert storm_rate(storm(rng, NOW_US)) == pytest.approx(2_000, rel=0.03)
+
+
+def test_one_event_dated_years_back_does_not_hide_an_alert_storm():
+    rng = np.random.default_rng(4)
+    batches = storm(rng, NOW_US)
+    features, scores, ts_us = batches[20]
+    batches[20] = (features, scores, np.concatenate([ts_us[:7], [Y2000_US], ts_us[8:]]))
+    assert storm_rate(batches) == pytest.approx(2_000, rel=0.03)
+
+
+def test_a_whole_batch_of_late_events_does_not_hide_an_alert_storm():
+    rng = np.random.default_rng(5)
+    batches = storm(rng, NOW_US)
+    late = storm(rng, NOW_US - 5 * DAY_US, batches=1)  # a partition's 500 events, five days behind
+    assert storm_rate([*batches[:20], *late, *batches[20:39]]) == pytest.approx(2_000, rel=0.03)
+
+
+def test_an_event_dated_ahead_of_a_replay_does_not_hide_an_alert_storm():
+    rng = np.random.default_rng(6)
+    batches = storm(rng, REPLAYED_US)  # history replayed in minutes: event time, not the clock, is the basis
+    features, scores, ts_us = batches[-1]
+    future = (
+        NOW_US + 1_800_000_000
+    )  # within max_ts_skew_s of the clock, seven years after the replayed stream
+    batches[-1] = (features, scores, np.concatenate([ts_us[:-1], [future]]))
+    assert storm_rate(batches) == pytest.approx(2_000, rel=0.03)
+
+
+def test_no_rate_until_the_bulk_of_the_window_spans_a_minute():
+    rng = np.random.default_rng(7)
+    drift = window(rng, window_events=10_000)
+    assert math.isnan(drift.alerts_per_day())  # no events
+    features, scores, _ = batch(rng, m=1000)
+    ts_us = NOW_US + np.sort(rng.integers(0, 50_000_000, 1000))  # 1,000 events within 50 s
+    drift.observe(features[:1], scores[:1], ts_us[:1])
+    assert math.isnan(drift.alerts_per_day())  # one event
+    drift.observe(features[1:], scores[1:], ts_us[1:])
+    assert math.isnan(drift.alerts_per_day())
+    drift.observe(features[:1], scores[:1], np.array([NOW_US - DAY_US]))  # a straggler does not make it a day
+    assert math.isnan(drift.alerts_per_day())
+    drift.observe(features, scores, ts_us + 60_000_000)  # the next 1,000 take it past a minute
+    assert math.isfinite(drift.alerts_per_day())
 
 
 def test_gauges_and_no_reference():
