@@ -65,17 +65,29 @@ def test_non_finite_states_and_lost_states_are_past():
 
 
 def test_alerts_per_day_against_twice_the_budget():
-    # 1,000 scores over 2 days: 50 alerts are 25 a day
-    records = [{"ts": i * 172_800_000 // 999, "alert": i < 50} for i in range(1000)]
+    # 1,000 scores, one every 172.8 s: 500 a day, of which 50 of 1,000 alert: 25 a day
+    records = [{"ts": i * 172_800, "alert": i < 50} for i in range(1000)]
     (read, rate) = alert_rows(records, 10.0, CFG)
     assert read.value == 1000 and rate.value == pytest.approx(25.0) and rate.status == "PAST"
     assert alert_rows(records, 20.0, CFG)[1].status == "ok"
     assert alert_rows(records, None, CFG)[1].status == "no reference"
     assert alert_rows([], 10.0, CFG)[1].status == "too few events"
-    iso = [{"ts": "2026-03-01T00:00:00Z", "alert": True}, {"ts": "2026-03-02T00:00:00.000Z", "alert": False}]
+    iso = [{"ts": "2026-03-01T00:00:00Z", "alert": True}, {"ts": "2026-03-02T00:00:00.000Z", "alert": True}]
     assert alert_rows(iso, None, MonitorConfig(metrics_urls=("u",), min_events=1))[1].value == pytest.approx(
         1.0
     )
+
+
+def test_a_score_dated_years_away_does_not_hide_the_alerts():
+    # as read: sorted by ts, so the stragglers sit at the ends of a storm of 25 alerts a day
+    storm = [{"ts": 1_772_323_200_000 + i * 172_800, "alert": i < 50} for i in range(1000)]
+    records = [
+        {"ts": "2000-01-01T00:00:00Z", "alert": False},
+        *storm,
+        {"ts": 1_900_000_000_000, "alert": False},
+    ]
+    (_, rate) = alert_rows(records, 10.0, CFG)
+    assert rate.value == pytest.approx(25.0, rel=0.01) and rate.status == "PAST"
 
 
 def test_the_table_has_a_header_and_a_row_each():
