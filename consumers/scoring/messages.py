@@ -73,7 +73,8 @@ class Label:
 
 class UnknownFields:
     """Counts the decoded messages that carried fields of no known name (ignored, by default), and keeps the
-    first MAX_NAMES of those names, so the service can say once which fields its topics carry."""
+    first MAX_NAMES of those names, cut as reasons cut values (a name may be as long as the message), so the
+    service can say once which fields its topics carry in a line of bounded length."""
 
     MAX_NAMES = 64
 
@@ -84,7 +85,7 @@ class UnknownFields:
 
     def saw(self, names: list[str]) -> None:
         self.messages += 1
-        for name in names:
+        for name in map(cut, names):
             if name not in self.names and len(self.names) < self.MAX_NAMES:
                 self.names.add(name)
                 self.new_names.append(name)

@@ -266,6 +266,12 @@ def test_unknown_fields_are_ignored_and_counted_by_default():
     )
     assert decode_label(label.encode(), MessageLimits(), NOW_US, unknown).is_fraud
     assert unknown.take() == (1, ["x"])
+    long_names = {f"{'n' * 20_000}{i}": i for i in range(3)}  # together as long as a message allows
+    decode_transaction(message(**long_names), MessageLimits(), NOW_US, unknown)
+    count, names = unknown.take()
+    assert (
+        count == 1 and len(names) == 1 and len(names[0]) < 200
+    )  # one cut name for the three, not 60k characters
     with pytest.raises(MessageError, match="unknown field"):
         decode_label(label.encode(), REFUSE, NOW_US)
 
