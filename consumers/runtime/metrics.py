@@ -95,6 +95,11 @@ METRICS = {
         "counter",
         "Other scorers' batches of terminal event counts folded into this instance's terminal state.",
     ),
+    "txsentinel_labels_held_total": (
+        "counter",
+        "Labels dated on a day its holder's clock had not reached, their partition paused until that day "
+        "(holder: scorer or writer).",
+    ),
     "txsentinel_feed_records_lost_total": (
         "counter",
         "Labels and terminal-delta records deleted before this process read them (lost_feed_position: earliest).",
@@ -184,6 +189,7 @@ LABELLED = {
     "txsentinel_drift_reference": "of",
     "txsentinel_state_norm": "quantile",
     "txsentinel_terminals_capped_total": "holder",
+    "txsentinel_labels_held_total": "holder",
 }
 HISTOGRAMS = {
     "txsentinel_batch_events": (1, 10, 50, 100, 250, 500, 1000, 2000, 5000),

@@ -144,8 +144,8 @@ class ServeConfig:
     earliest_ts: str = (
         "2000-01-01T00:00:00+00:00"  # ts and label_ts before it are typos (2000 at the earliest)
     )
-    # ts and label_ts at most this far after the instance's clock: a far-future event would move its account's
-    # and its terminal's day forward for good
+    # ts at most this far after the instance's clock, label_ts after its record's timestamp (the same for every
+    # reader of it): a far-future event would move its account's and its terminal's day forward for good
     max_ts_skew_s: float = 3600.0
     # A transaction whose record key is missing or is not its account_id: "dead-letter" it, or "rekey": write
     # it again to `transactions` under its account's key (in the batch's transaction), so it is scored from

@@ -52,7 +52,8 @@ class MessageLimits:
     max_id_chars: int = MAX_ID_CHARS
     max_amount: float = 1e9
     earliest_ts: str = "2000-01-01T00:00:00+00:00"  # ISO-8601 with an offset
-    max_ts_skew_s: float = 3600.0  # how far after the decoder's clock a ts or label_ts may be
+    # how far a ts may be after the decoder's clock, and a label_ts after its record's timestamp
+    max_ts_skew_s: float = 3600.0
     unknown_fields: str = "ignore"  # fields of no known name: "ignore" (counted) or "refuse" (dead letter)
     timestamp_format: str = "iso8601"  # of ts and label_ts in, and of ts out: "iso8601" or "epoch_ms"
     earliest_us: int = dataclasses.field(init=False, repr=False, compare=False)
@@ -124,14 +125,18 @@ def cut(text: str) -> str:
     return text if len(text) <= 2 * _SHOWN_CHARS else f"{text[: 2 * _SHOWN_CHARS]}..."
 
 
-def read_ts(value: object, field: str, limits: MessageLimits, now: int | None = None) -> int:
+def read_ts(
+    value: object, field: str, limits: MessageLimits, now: int | None = None, sent_us: int | None = None
+) -> int:
     """A ts or label_ts in the limits' timestamp_format -> microseconds since the epoch, within bounds."""
     if limits.timestamp_format == "epoch_ms":
-        return parse_epoch_ms(value, field, limits, now)
-    return parse_ts(value, field, limits, now)
+        return parse_epoch_ms(value, field, limits, now, sent_us)
+    return parse_ts(value, field, limits, now, sent_us)
 
 
-def parse_epoch_ms(value: object, field: str, limits=None, now: int | None = None) -> int:
+def parse_epoch_ms(
+    value: object, field: str, limits=None, now: int | None = None, sent_us: int | None = None
+) -> int:
     """Milliseconds since the epoch, a JSON integer -> microseconds, within parse_ts's bounds."""
     if not is_integer(value):
         raise MessageError(
@@ -140,12 +145,17 @@ def parse_epoch_ms(value: object, field: str, limits=None, now: int | None = Non
         )
     if not -(2**62) < value < 2**62:  # an integer beyond int64: out of range whatever the bounds
         raise MessageError(f"field {field!r}: {show(value)} is not epoch milliseconds in 2000..2099")
-    return _bounded(value * 1000, value, field, DEFAULT_LIMITS if limits is None else limits, now)
+    return _bounded(value * 1000, value, field, DEFAULT_LIMITS if limits is None else limits, now, sent_us)
 
 
-def parse_ts(value: object, field: str, limits=None, now: int | None = None) -> int:
+def parse_ts(
+    value: object, field: str, limits=None, now: int | None = None, sent_us: int | None = None
+) -> int:
     """ISO-8601 text with a UTC offset (or Z) -> microseconds since the epoch, not before the limits'
-    earliest_ts (2000 by default), before 2100, nor after `now` (default: the clock) + max_ts_skew_s."""
+    earliest_ts (2000 by default), before 2100, nor after `now` (default: the clock) + max_ts_skew_s.
+
+    `sent_us`: the timestamp of the Kafka record the value came in, microseconds since the epoch. Given, the
+    future bound is read against it instead of a clock: the same for every reader of the record."""
     limits = DEFAULT_LIMITS if limits is None else limits
     if not isinstance(value, str):
         raise MessageError(
@@ -166,25 +176,40 @@ def parse_ts(value: object, field: str, limits=None, now: int | None = None) -> 
             f"field {field!r}: {show(value)} is not an ISO-8601 timestamp: no such date or time"
         ) from None
     return _bounded(
-        (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds, value, field, limits, now
+        (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds,
+        value,
+        field,
+        limits,
+        now,
+        sent_us,
     )
 
 
-def _bounded(ts_us: int, value: object, field: str, limits, now: int | None) -> int:
+def _bounded(ts_us: int, value: object, field: str, limits, now: int | None, sent_us: int | None) -> int:
     if not limits.earliest_us <= ts_us < LATEST_US:
         earliest = format_ts(limits.earliest_us)
         raise MessageError(
             f"field {field!r}: {show(value)} is outside {earliest[:4]}..{LATEST.year - 1}: earliest "
             f"accepted {earliest} (setting earliest_ts)"
         )
-    if math.isfinite(limits.max_ts_skew_s):
-        now = now_us() if now is None else now
-        if ts_us > now + limits.max_ts_skew_s * 1_000_000:
+    if not math.isfinite(limits.max_ts_skew_s):
+        return ts_us
+    skew_us = limits.max_ts_skew_s * 1_000_000
+    if sent_us is not None:
+        if ts_us > sent_us + skew_us:
             raise MessageError(
-                f"field {field!r}: {show(value)} is {(ts_us - now) / 1e6:.0f} s in the future: more "
-                f"than max_ts_skew_s = {limits.max_ts_skew_s:g} after this instance's clock "
-                f"({format_ts(now)}); a future event would move its account's and terminal's day forward"
+                f"field {field!r}: {show(value)} is {(ts_us - sent_us) / 1e6:.0f} s after the timestamp of its "
+                f"record ({format_ts(sent_us)}): more than max_ts_skew_s = {limits.max_ts_skew_s:g}. A record "
+                "is sent once what it says is known; judged by its record, every reader refuses it alike"
             )
+        return ts_us
+    now = now_us() if now is None else now
+    if ts_us > now + skew_us:
+        raise MessageError(
+            f"field {field!r}: {show(value)} is {(ts_us - now) / 1e6:.0f} s in the future: more "
+            f"than max_ts_skew_s = {limits.max_ts_skew_s:g} after this instance's clock "
+            f"({format_ts(now)}); a future event would move its account's and terminal's day forward"
+        )
     return ts_us
 
 

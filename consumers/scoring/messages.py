@@ -25,7 +25,10 @@ MessageError, whose text is the reason a person can act on; the service sends su
   the sums of the features;
 - timestamps (ts, label_ts) in the timestamp_format, ISO-8601 with a UTC offset or epoch milliseconds, not
   before `earliest_ts` and not after now + `max_ts_skew_s`: one far-future event would move its account's
-  and its terminal's day forward for good.
+  and its terminal's day forward for good. A label read from its topic is judged by the timestamp of its
+  Kafka record instead of a clock (label_ts at most `max_ts_skew_s` after it): the scorers and the table
+  writer all read every label, and a bound read against each one's clock would let one refuse what another
+  folds in (consumers/terminals/feed.py says when a label dated ahead is folded).
 """
 
 import json
@@ -195,8 +198,11 @@ def decode_label(
     limits: MessageLimits | None = None,
     now_us: int | None = None,
     unknown: UnknownFields | None = None,
+    sent_us: int | None = None,
 ) -> Label:
-    """A valid label, or MessageError with the reason: decode_transaction's rules for its ids and label_ts."""
+    """A valid label, or MessageError with the reason: decode_transaction's rules for its ids and label_ts.
+    `sent_us`: the timestamp of the record it came in (microseconds since the epoch); given, label_ts is
+    bounded by it rather than by the clock (module docstring)."""
     limits = DEFAULT_LIMITS if limits is None else limits
     data = _object(value, LABEL_FIELDS, (), limits, unknown)
     if not isinstance(data["is_fraud"], bool):
@@ -206,7 +212,7 @@ def decode_label(
         account_id=text(data["account_id"], "account_id", limits),
         terminal_id=text(data["terminal_id"], "terminal_id", limits),
         is_fraud=data["is_fraud"],
-        label_ts_us=read_ts(data["label_ts"], "label_ts", limits, now_us),
+        label_ts_us=read_ts(data["label_ts"], "label_ts", limits, now_us, sent_us),
     )
 
 

@@ -4,8 +4,8 @@ deployment's settings, and the package ships those of the defaults in consumers/
 holds the two equal).
 
 A schema says what JSON Schema can: fields, types, lengths and ranges. The decoder checks a little more,
-each documented in the field's description: ids of printable, visible characters, timestamps within max_ts_skew_s
-of the instance's clock.
+each documented in the field's description: ids of printable, visible characters, a ts within max_ts_skew_s
+of the instance's clock, a label_ts within max_ts_skew_s of its record's timestamp.
 """
 
 import json
@@ -31,7 +31,7 @@ def _id(limits: MessageLimits, description: str) -> dict:
     }
 
 
-def _ts(limits: MessageLimits, what: str) -> dict:
+def _ts(limits: MessageLimits, what: str, after: str = "the reading instance's clock") -> dict:
     if limits.timestamp_format == "epoch_ms":
         return {
             "type": "integer",
@@ -39,7 +39,7 @@ def _ts(limits: MessageLimits, what: str) -> dict:
             "exclusiveMaximum": LATEST_US // 1000,
             "description": f"{what}: milliseconds since 1970-01-01T00:00:00Z (timestamp_format = epoch_ms), "
             f"not before earliest_ts = {limits.earliest_ts}, before 2100 and at most max_ts_skew_s = "
-            f"{limits.max_ts_skew_s:g} s after the reading instance's clock",
+            f"{limits.max_ts_skew_s:g} s after {after}",
         }
     return {
         "type": "string",
@@ -47,7 +47,7 @@ def _ts(limits: MessageLimits, what: str) -> dict:
         "pattern": f"^{ISO_TS_PATTERN}$",
         "description": f"{what}: ISO-8601 with a UTC offset or Z (timestamp_format = iso8601), not before "
         f"earliest_ts = {limits.earliest_ts}, before 2100 and at most max_ts_skew_s = "
-        f"{limits.max_ts_skew_s:g} s after the reading instance's clock",
+        f"{limits.max_ts_skew_s:g} s after {after}",
     }
 
 
@@ -99,7 +99,11 @@ def labels_schema(limits: MessageLimits) -> dict:
         "account_id": _id(limits, "the labelled transaction's account"),
         "terminal_id": _id(limits, "the labelled transaction's terminal"),
         "is_fraud": {"type": "boolean", "description": "the verdict"},
-        "label_ts": _ts(limits, "when the verdict became known (chargebacks arrive late)"),
+        "label_ts": _ts(
+            limits,
+            "when the verdict became known (chargebacks arrive late)",
+            "the timestamp of its Kafka record",
+        ),
     }
     assert tuple(properties) == LABEL_FIELDS
     return _input("txsentinel labels", properties, LABEL_FIELDS, limits)

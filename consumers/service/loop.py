@@ -172,10 +172,12 @@ class _Service(Restore, Transactions, Bookkeeping):
             # Metadata now, not on the first batch's first send to each topic (~0.3 s of latency there).
             counts[name] = len(self.producer.partitions_for(cfg.topic(name)))
         co_partitioned = counts["scores"] == counts["alerts"] == self.partitions
+        self.metrics.inc("txsentinel_labels_held_total", 0, label="scorer")  # there from the start, at 0
         self.feed = FeedReader.connect(
             bootstrap, "txsentinel-serve-feed", self.restorer, cfg.topic("labels"), cfg.topic("terminal_deltas"),
             cfg.restore_timeout_s, MessageLimits.of(cfg), cfg.lost_feed_position,
-            lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records), **security,
+            lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records),
+            lambda: self.metrics.inc("txsentinel_labels_held_total", label="scorer"), **security,
         )  # fmt: skip
         self.writer = TerminalTableWriter(cfg, bootstrap, self.metrics)
         self.batches = BatchScorer(

@@ -11,6 +11,25 @@ Two ways to read (FeedReader.read):
   a label or another instance's batch counts for the events scored after it arrives: there is no global
   order to keep between a label, or another instance's events, and this instance's events.
 
+A label's time is judged the same way by every reader: the scorers and the table writer each read every
+label, so what one does with it must not depend on whose clock reads it.
+- It is refused when its label_ts is more than max_ts_skew_s after the timestamp of its Kafka record
+  (decode_label): the broker's when the topic stamps its records (message.timestamp.type LogAppendTime),
+  else its producer's, which the broker takes only within message.timestamp.after.max.ms (an hour by
+  default) of its own clock. Every reader sees the same record, so every reader refuses it, or none does.
+- A fraud label dated on a day this reader's clock has not reached waits (its partition is paused and sought
+  back to it), and is folded with the labels after it once the day comes. Folded at once, it would take the day-ring
+  bucket (day % RING_DAYS) of the terminal's oldest day in the 30-day windows and push that day's reports out
+  of them until midnight, where the batch form, which counts a label from its label_ts on, still has them. A
+  waiting partition's position stays at the label, so the table's positions still mean "all before is
+  folded". No label is folded ahead of a reader's day, and every reader folds it on its own day.
+- The wait is bounded by the record: a label_ts at most max_ts_skew_s after its record's timestamp, itself
+  at most message.timestamp.after.max.ms after the broker's clock, waits for the reader's next midnight at
+  the latest. A label more than a day and max_ts_skew_s after this reader's clock, which only a record
+  timestamped a day ahead can carry (forged, or from a broken clock the broker was set to take), is refused
+  instead of holding its partition that long: the one verdict a reader's clock gives, and never on a record
+  the broker takes with its defaults.
+
 A position that has left its log (the writer was down longer than the deltas' retention, or labels were
 deleted unread) is never skipped unsaid: with `lost_feed_position: fail` (the default) the read raises
 PositionLostError naming the partition and the records gone; with `earliest` the reader goes on from the
@@ -35,7 +54,7 @@ from consumers.runtime.compacted import (
     group_less_consumer,
     lost_positions,
 )
-from consumers.scoring.message_limits import MessageError, MessageLimits
+from consumers.scoring.message_limits import DAY_US, MessageError, MessageLimits, format_ts
 from consumers.scoring.messages import Label, UnknownFields, decode_label
 from consumers.terminals.deltas import decode_deltas
 from consumers.terminals.table import Positions, read_table
@@ -43,6 +62,10 @@ from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import LabelBatch, TerminalOp
 
 log = logging.getLogger(__name__)
+
+# A label this far (plus max_ts_skew_s) after a reader's clock is refused rather than held: no clock the
+# broker takes records from is a day off.
+HOLD_AT_MOST_US = DAY_US
 
 
 @dataclass
@@ -114,19 +137,22 @@ class FeedReader:
         limits: MessageLimits | None = None,
         lost_position: str = "fail",
         on_lost: Callable[[int], None] | None = None,
+        on_held: Callable[[], None] | None = None,
     ):
         """`consumer`: read_committed, no group, no offset reset, fetches the topics. `offsets`: consumers
         only asked how far partitions go, never fetching between reads: the broker answers a connection's
         requests in order, and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets
         request would wait too. `limits`: what a valid label is (ServeConfig's message settings; default
-        MessageLimits()). `lost_position`, `on_lost(records)`: what a position that left its log does
-        (module docstring)."""
+        MessageLimits()). `lost_position`, `on_lost(records)`: what a position that left its log does;
+        `on_held()`: a label starts waiting for its day (module docstring)."""
         if lost_position not in ("fail", "earliest"):
             raise ValueError(f"lost_position = {lost_position!r}, expected 'fail' or 'earliest'")
         self.consumer, self.offsets, self.timeout_s = consumer, offsets, timeout_s
         self.limits = MessageLimits() if limits is None else limits
-        self.lost_position, self.on_lost = lost_position, on_lost
+        self.lost_position, self.on_lost, self.on_held = lost_position, on_lost, on_held
         self.records_lost = 0  # skipped under lost_position 'earliest', since the start
+        # labels partitions paused at a label dated on a day to come: {partition: (its offset, its day)}
+        self.held: dict[TopicPartition, tuple[int, int]] = {}
         self.unknown: UnknownFields | None = None  # counts labels with fields of no known name, when set
         self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
         self.label_tps = self._partitions(labels_topic)
@@ -137,11 +163,13 @@ class FeedReader:
     def connect(
         cls, bootstrap: str, client_id: str, offsets: Reader, labels_topic: str, deltas_topic: str,
         timeout_s: float, limits: MessageLimits | None = None, lost_position: str = "fail",
-        on_lost: Callable[[int], None] | None = None, **settings,
+        on_lost: Callable[[int], None] | None = None, on_held: Callable[[], None] | None = None, **settings,
     ) -> "FeedReader":  # fmt: skip
         """A reader with a consumer of its own (closed by close())."""
         consumer = group_less_consumer(bootstrap, client_id, **settings)
-        return cls(consumer, offsets, labels_topic, deltas_topic, timeout_s, limits, lost_position, on_lost)
+        return cls(
+            consumer, offsets, labels_topic, deltas_topic, timeout_s, limits, lost_position, on_lost, on_held
+        )
 
     def close(self) -> None:
         self.consumer.close()
@@ -170,7 +198,11 @@ class FeedReader:
         return [TopicPartition(topic, p) for p in sorted(partitions)]
 
     def seek(self, positions: Positions) -> None:
-        """Go to `positions`; a partition without one starts from its beginning."""
+        """Go to `positions`; a partition without one starts from its beginning. Nothing waits any more: the
+        labels are read again from there."""
+        if self.held:
+            self.consumer.resume(*self.held)
+            self.held.clear()
         for tps, offsets in ((self.label_tps, positions.labels), (self.delta_tps, positions.deltas)):
             missing = [tp for tp in tps if tp.partition not in offsets]
             if missing:
@@ -196,12 +228,14 @@ class FeedReader:
         watermarks takes over `timeout_s` (default: the reader's)."""
         started = time.monotonic()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        self._release(time.time_ns() // 1000)
         end = (
             self.offsets.watermarks.end_offsets(self.label_tps + self.delta_tps) if to_high_watermark else {}
         )
         out = FeedRead()
         self._take(self._poll(0), session, out)  # what has arrived
-        while any(self.consumer.position(tp) < offset for tp, offset in end.items()):
+        # A partition waiting at a label of a day to come is read as far as it goes today.
+        while any(self.consumer.position(tp) < o for tp, o in end.items() if tp not in self.held):
             if time.monotonic() - started > timeout_s:
                 left = {
                     f"{tp.topic}[{tp.partition}]": o - self.consumer.position(tp) for tp, o in end.items()
@@ -248,19 +282,72 @@ class FeedReader:
                 self._deltas(batch[tp], session, out, now_us)
 
     def _labels(self, records, out: FeedRead, now_us: int) -> None:
+        """One partition's records, in offset order: its labels into `out`, up to one dated on a day to come,
+        where the partition waits (module docstring)."""
         for record in records:
             try:
-                if record.value is None:
-                    raise MessageError("null value (a tombstone): expected a JSON label")
-                out.labels.append(decode_label(record.value, self.limits, now_us, self.unknown))
-                out.label_records.append(record)
+                label = self._label(record, now_us)
             except MessageError as error:
                 out.bad.append((record, error))
+                continue
             except Exception as error:  # the decoder is total; should it not be, one label stops nothing
                 log.exception(
                     "the label decoder failed at %s[%d]@%d", record.topic, record.partition, record.offset
                 )
                 out.bad.append((record, MessageError(f"the label decoder failed: {error!r}"[:300])))
+                continue
+            if label.is_fraud and label.label_ts_us // DAY_US > now_us // DAY_US:
+                self._hold(record, label, now_us)
+                return  # the rest of the partition is fetched again once the label's day has come
+            out.labels.append(label)
+            out.label_records.append(record)
+
+    def _label(self, record, now_us: int) -> Label:
+        """The record's label, judged by the record's timestamp (module docstring), or MessageError."""
+        if record.value is None:
+            raise MessageError("null value (a tombstone): expected a JSON label")
+        sent_ms = record.timestamp
+        if type(sent_ms) is not int or sent_ms < 0:
+            raise MessageError(
+                f"the record has no timestamp ({sent_ms!r}): a label is judged by its record's timestamp"
+            )
+        label = decode_label(record.value, self.limits, now_us, self.unknown, sent_ms * 1000)
+        if label.label_ts_us > now_us + self.limits.max_ts_skew_s * 1_000_000 + HOLD_AT_MOST_US:
+            raise MessageError(
+                f"field 'label_ts': {format_ts(label.label_ts_us)} is more than a day and max_ts_skew_s = "
+                f"{self.limits.max_ts_skew_s:g} s after this instance's clock ({format_ts(now_us)}), and its "
+                f"record's timestamp ({format_ts(sent_ms * 1000)}) is a day ahead too: forged, or from a broken "
+                "clock. Held until its day, it would hold every later label of its partition"
+            )
+        return label
+
+    def _hold(self, record, label: Label, now_us: int) -> None:
+        """Pause the record's partition at it until the label's day (module docstring)."""
+        tp = TopicPartition(record.topic, record.partition)
+        self.consumer.seek(tp, record.offset)
+        self.consumer.pause(tp)
+        self.held[tp] = (record.offset, label.label_ts_us // DAY_US)
+        if self.on_held is not None:
+            self.on_held()
+        log.warning(
+            "a label dated on a day to come waits for it: %s[%d]@%d label_ts=%s clock=%s terminal=%r; it and "
+            "the labels after it on the partition are folded from that day on (folded now, it would push "
+            "the terminal's oldest day of reports out of its 30-day windows)",
+            record.topic, record.partition, record.offset, format_ts(label.label_ts_us), format_ts(now_us),
+            label.terminal_id,
+        )  # fmt: skip
+
+    def _release(self, now_us: int) -> None:
+        """Fetch again the partitions that wait for a day that has come."""
+        due = [tp for tp, (_, day) in self.held.items() if day <= now_us // DAY_US]
+        if not due:
+            return
+        self.consumer.resume(*due)
+        for tp in due:
+            offset, _ = self.held.pop(tp)
+            log.info(
+                "labels from %s[%d]@%d on are read again: their day has come", tp.topic, tp.partition, offset
+            )
 
     def _deltas(self, records, session: bytes | None, out: FeedRead, now_us: int) -> None:
         first, last = self.limits.days(now_us)

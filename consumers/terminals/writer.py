@@ -80,7 +80,8 @@ class TerminalTableWriter:
         self.stats = WriterStats()
         # Refuses an idle time that would change features; caps what the writer holds (max_terminals_in_memory).
         self.eviction = TerminalEviction(cfg.terminal_idle_days, cfg.max_terminals_in_memory, "writer")
-        metrics.inc("txsentinel_terminals_capped_total", 0, label="writer")  # there from the start, at 0
+        for name in ("txsentinel_terminals_capped_total", "txsentinel_labels_held_total"):
+            metrics.inc(name, 0, label="writer")  # there from the start, at 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -147,7 +148,8 @@ class TerminalTableWriter:
             feed = FeedReader.connect(
                 self.bootstrap, "txsentinel-terminal-writer-feed", reader, cfg.topic("labels"),
                 cfg.topic("terminal_deltas"), cfg.restore_timeout_s, MessageLimits.of(cfg), cfg.lost_feed_position,
-                lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records), **security,
+                lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records),
+                lambda: self.metrics.inc("txsentinel_labels_held_total", label="writer"), **security,
             )  # fmt: skip
             featurizer = StreamingFeaturizer()
             left_out = feed.start_from_table(

@@ -26,6 +26,7 @@ import pytest
 
 from consumers.runtime.compacted import Reader
 from consumers.runtime.metrics import free_port, scrape
+from consumers.runtime.topics import ensure_topics
 from consumers.scoring.messages import (
     Label,
     Transaction,
@@ -34,9 +35,10 @@ from consumers.scoring.messages import (
     transactions_from_frame,
 )
 from consumers.scoring.scorer import Scorer
+from consumers.terminals import feed as feed_module
 from consumers.terminals.deltas import decode_deltas
-from consumers.terminals.feed import label_batch
-from consumers.terminals.table import POSITIONS_KEY, encode_terminal, pack_header, read_table
+from consumers.terminals.feed import FeedReader, label_batch
+from consumers.terminals.table import POSITIONS_KEY, Positions, encode_terminal, pack_header, read_table
 from pipeline.data.generate import GenerateConfig, generate
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, replay_batches
@@ -477,3 +479,40 @@ def test_two_instances_count_every_event_at_its_terminal(kafka_bootstrap, servic
     half.observe_labels(label_batch(labels))
     moved = max(abs(r.score - h.score) for r, h in zip(expected["first"], half.score(first), strict=True))
     assert moved > 1e-4, "half the terminal counts give the same scores: the test could not see them missing"
+
+
+def test_a_fraud_label_dated_on_a_day_to_come_waits_at_its_position_for_that_day(
+    kafka_bootstrap, service_cfg, monkeypatch
+):
+    """consumers/terminals/feed.py's wait on a real consumer: read by a clock at 23:30 the day before, the
+    first of three labels (sent now, dated a minute ago) pauses its partition, whose position, and so the
+    table's, stays before it while a read to the high watermarks still ends; once the clock reaches its day
+    it and the labels after it are read, once each."""
+    cfg = service_cfg()
+    ensure_topics(cfg, kafka_bootstrap)
+    now_us = time.time_ns() // 1000
+    labels = [Label(f"E{i}", "A1", f"T{i}", True, now_us - 60_000_000) for i in range(3)]
+    produce(kafka_bootstrap, cfg.topic("labels"), [("A1", encode_label(label)) for label in labels])
+    clock = [(now_us // DAY_US) * DAY_US - HOUR_US // 2]  # 23:30 the day before the labels'
+    fake = type("Clock", (), {"time_ns": lambda: clock[0] * 1000, "monotonic": time.monotonic})
+    monkeypatch.setattr(feed_module, "time", fake)
+    held = []
+    offsets = Reader.connect(kafka_bootstrap, "test-wait")
+    feed = FeedReader.connect(
+        kafka_bootstrap, "test-wait-feed", offsets, cfg.topic("labels"), cfg.topic("terminal_deltas"), 30.0,
+        on_held=lambda: held.append(1),
+    )  # fmt: skip
+    try:
+        feed.seek(Positions())
+        waiting = feed.read(to_high_watermark=True)
+        at = feed.positions().labels
+        clock[0] = now_us
+        read = feed.read(to_high_watermark=True)
+        again = feed.read(to_high_watermark=True)
+        after = feed.positions().labels
+    finally:
+        feed.close()
+        offsets.close()
+    assert waiting.labels == [] and waiting.bad == [] and held == [1]
+    assert set(at.values()) == {0}  # the partition waits before the label; the others hold none
+    assert read.labels == labels and again.labels == [] and sorted(after.values())[-1] == len(labels)

@@ -5,7 +5,13 @@ import math
 
 import pytest
 
-from consumers.scoring.message_limits import MessageError, MessageLimits, format_ts, parse_ts
+from consumers.scoring.message_limits import (
+    TIMESTAMP_FORMATS,
+    MessageError,
+    MessageLimits,
+    format_ts,
+    parse_ts,
+)
 from consumers.scoring.messages import (
     Label,
     Transaction,
@@ -226,6 +232,21 @@ def test_a_label_from_the_future_is_refused():
     with pytest.raises(MessageError, match=r"'label_ts': '2030-01-01T00:00:00Z' is \d+ s in the future"):
         decode_label(late, MessageLimits(), NOW_US)
     assert decode_label(json.dumps({**data, "label_ts": "2026-03-01T12:00:00Z"}).encode(), now_us=NOW_US)
+
+
+@pytest.mark.parametrize("timestamp_format", TIMESTAMP_FORMATS)
+def test_a_label_given_its_records_timestamp_is_judged_by_it_whatever_the_clock(timestamp_format):
+    limits = MessageLimits(timestamp_format=timestamp_format)
+    sent = NOW_US
+    data = {"event_id": "E1", "account_id": "A1", "terminal_id": "T", "is_fraud": True}
+    for clock in (sent - 86_400_000_000, sent, sent + 86_400_000_000):  # a day behind, on time, a day ahead
+        at_bound = Label("E1", "A1", "T", True, sent + 3_600_000_000)
+        assert decode_label(encode_label(at_bound, timestamp_format), limits, clock, sent_us=sent) == at_bound
+        past = encode_label(Label(**{**data, "label_ts_us": sent + 3_601_000_000}), timestamp_format)
+        with pytest.raises(
+            MessageError, match=r"is 3601 s after the timestamp of its record \(2026-03-01T12"
+        ):
+            decode_label(past, limits, clock, sent_us=sent)
 
 
 REFUSE = MessageLimits(unknown_fields="refuse")

@@ -18,7 +18,7 @@ from consumers.terminals.writer import TerminalTableWriter
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import TerminalOp
 
-Record = namedtuple("Record", "topic partition offset key value")
+Record = namedtuple("Record", "topic partition offset key value timestamp", defaults=[None])
 
 
 class ScriptedProducer:
@@ -104,31 +104,31 @@ class StandInConsumer:
         pass
 
 
-def label_record(offset: int, value: bytes | None) -> Record:
-    return Record("p-labels", 0, offset, b"A1", value)
+def label_record(offset: int, value: bytes | None, sent_ms: int | None = None) -> Record:
+    return Record("p-labels", 0, offset, b"A1", value, sent_ms)
 
 
 def test_hostile_labels_are_set_aside_with_their_reasons_and_never_raise():
     feed = FeedReader(StandInConsumer(), None, "p-labels", "p-terminal-deltas", 1.0, MessageLimits())
     now_us = int(time.time() * 1e6)
     good = Label("E1", "A1", "T1", True, now_us - 3_600_000_000)
-    records = [
-        label_record(0, encode_label(good)),
-        label_record(1, b"[" * 10_000),  # RecursionError in the parser, once
-        label_record(2, encode_label(Label("E2", "A1", "T\ud800", True, now_us))),
-        label_record(3, encode_label(Label("E3", "A1", "T1", True, now_us + 10 * 3_600_000_000))),  # future
-        label_record(
-            4, b'{"event_id":"E4","account_id":"A1","terminal_id":"T1","is_fraud":1e999,"label_ts":0}'
-        ),
-        label_record(5, None),
+    values = [
+        encode_label(good),
+        b"[" * 10_000,  # RecursionError in the parser, once
+        encode_label(Label("E2", "A1", "T\ud800", True, now_us)),
+        encode_label(Label("E3", "A1", "T1", True, now_us + 10 * 3_600_000_000)),  # 10 h after its record
+        b'{"event_id":"E4","account_id":"A1","terminal_id":"T1","is_fraud":1e999,"label_ts":0}',
+        None,
     ]
+    records = [label_record(offset, value, now_us // 1000) for offset, value in enumerate(values)]
     out = FeedRead()
     feed._labels(records, out, now_us)
     assert out.labels == [good] and out.label_records == [records[0]]
     reasons = {record.offset: str(error) for record, error in out.bad}
     assert sorted(reasons) == [1, 2, 3, 4, 5]
     assert "nested 10000 deep" in reasons[1] and "lone surrogate" in reasons[2]
-    assert "in the future" in reasons[3] and "'is_fraud': expected true or false" in reasons[4]
+    assert "36000 s after the timestamp of its record" in reasons[3]
+    assert "'is_fraud': expected true or false" in reasons[4]
 
 
 def test_a_label_whose_fold_fails_is_rolled_back_and_set_aside_and_the_others_are_folded(caplog):
