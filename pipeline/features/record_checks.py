@@ -29,8 +29,9 @@ The bounds, and why every fold keeps them:
 
 import numpy as np
 
+from pipeline.data.schema import MAX_AMOUNT
 from pipeline.features.definitions import DAY_US, RING_DAYS
-from pipeline.features.state import MAX_AMOUNT, MAX_EPOCH_DAY, MAX_TS_US
+from pipeline.features.state import MAX_EPOCH_DAY, MAX_TS_US
 
 DAY_EVENTS = 2**31 - 1  # the most events of one day an account is served: its day bucket is an int32
 _MOST_EVENTS = (MAX_EPOCH_DAY + 1) * DAY_EVENTS

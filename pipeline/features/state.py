@@ -23,10 +23,6 @@ STATE_VERSION = 1
 # The last day (in 4840) the stream's composite keys hold: callers keep days within.
 MAX_EPOCH_DAY = (1 << 20) - 1
 MAX_TS_US = (MAX_EPOCH_DAY + 1) * DAY_US - 1
-# The largest amount the stream's state holds: callers keep amounts within (the service's max_amount may not
-# exceed it). 2**31 events a day at this amount still sum far from the float maximum, and log1p keeps its
-# precision. The bounds a restored record is held to rest on it (record_checks.py).
-MAX_AMOUNT = 1e15
 _MAGIC = b"TXSF"
 _HEADER = struct.Struct("<4sHHI")  # magic, state version, feature version, json header length
 
