@@ -44,14 +44,15 @@ from pipeline.features.definitions import (
     feature_matrix,
     terminal_hashes,
 )
+from pipeline.features.record_checks import record_fault, record_faults
 from pipeline.features.state import (
     ACCOUNT_STATE,
     MAX_EPOCH_DAY,
     TERMINAL_STATE,
     StateTable,
     add_to_ring,
-    decode_tables,
     encode_tables,
+    read_snapshot,
     ring_window_sums,
 )
 from pipeline.features.stream_batches import (
@@ -196,8 +197,22 @@ class StreamingFeaturizer:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StreamingFeaturizer":
+        """The featurizer to_bytes wrote. Raises ValueError naming what is wrong: another version or layout
+        (state.read_snapshot), or a record holding what no events fold (record_checks.py), which would read
+        as garbage ever after."""
         featurizer = cls()
-        decode_tables(data, {"accounts": featurizer.accounts, "terminals": featurizer.terminals})
+        tables = {"accounts": featurizer.accounts, "terminals": featurizer.terminals}
+        snapshot = read_snapshot(data, {name: table.dtype for name, table in tables.items()})
+        for name, (keys, records) in snapshot.items():
+            bad = np.flatnonzero(record_faults(records))
+            if len(bad):
+                raise ValueError(
+                    f"featurizer state snapshot: the {name} record of {keys[bad[0]][:100]!r} holds "
+                    f"{record_fault(records[bad[0]])}, which no events give ({len(bad)} record(s) like it): the "
+                    "snapshot is corrupt. Rebuild the state by replaying history."
+                )
+            slots = tables[name].add(keys)  # may grow the table: its records are read after
+            tables[name].records[slots] = records
         return featurizer
 
     def checkpoint(self, accounts: Sequence[str], terminals: Sequence[str]) -> FeaturizerCheckpoint:
