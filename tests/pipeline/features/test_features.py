@@ -28,11 +28,12 @@ from pipeline.features.definitions import (
     RAW_FIELDS,
     REMEMBERED_REPORTS,
     RING_DAYS,
+    WINDOW_DAYS,
     derive_features,
     feature_matrix,
 )
-from pipeline.features.stream import grouped_cumsum
 from pipeline.features.stream_batches import take_events
+from pipeline.features.stream_windows import grouped_cumsum
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday
 
@@ -720,3 +721,28 @@ def test_an_event_whose_features_are_not_finite_is_left_out_and_changes_no_state
     )
     np.testing.assert_array_equal(features, without.transform(alone)[0])
     assert featurizer.to_bytes() == without.to_bytes()
+
+
+def test_a_window_sum_adds_the_amounts_in_the_window_only():
+    # Account a: 1e15 (the largest amount an event may hold) forty days before, then one come late from a
+    # year before; b: the late one only, its windows otherwise holding all its events of the batch. Neither
+    # 1e15 is in the windows of the small amounts of today, whose sums hold no trace of them, whether the
+    # events come in one batch or one at a time.
+    day = 20_500
+    days = np.array([day - 40, day, day, day, day - 400, day, day, day - 400, day])
+    batch = EventBatch(
+        ["a"] * 6 + ["b"] * 3,
+        ["t"] * 9,
+        days * DAY_US + np.arange(9),
+        np.array([1e15, 0.1, 0.2, 0.3, 1e15, 0.7, 0.1, 1e15, 0.7]),
+    )
+    together = StreamingFeaturizer().raw_aggregates(batch)
+    alone = StreamingFeaturizer()
+    one_by_one = [alone.raw_aggregates(take_events(batch, np.array([i]))) for i in range(9)]
+    today = [1, 2, 3, 5, 6, 8]
+    expected = [0.1, 0.1 + 0.2, 0.1 + 0.2 + 0.3, 0.1 + 0.2 + 0.3 + 0.7, 0.1, 0.1 + 0.7]
+    for d in WINDOW_DAYS:
+        name = f"account_amount_{d}d"
+        assert together[name][0] == one_by_one[0][name][0] == 1e15
+        np.testing.assert_allclose(together[name][today], expected, rtol=1e-15, atol=0, err_msg=name)
+        np.testing.assert_allclose([one_by_one[i][name][0] for i in today], expected, rtol=1e-15, atol=0)
