@@ -60,10 +60,12 @@ class EventEncoder(nn.Module):
         h = self.norm(h)
         return h if self.ffn is None else h + self.ffn(h)
 
-    def output_bound(self, eps: float) -> Tensor:
-        """[d_model] the most |forward(x)| can be, for any x: the norm's, whatever went in, plus the FFN's."""
-        normed = layer_norm_bound(self.norm, eps)
-        return normed if self.ffn is None else normed + self.ffn.output_bound(eps)
+    def projected_bound(self, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+        """[out] the most |weight forward(x) + bias| can be, for any x, weight [out, d_model]: through the
+        norm by Cauchy-Schwarz (normed_linear_bound; term by term on the norm's own bound, sqrt(d) ||w||_1
+        against sqrt(d) ||w||_2, is several times looser), plus the FFN's (FeedForward.projected_bound)."""
+        bound = normed_linear_bound(self.norm, weight, bias, eps)
+        return bound if self.ffn is None else bound + self.ffn.projected_bound(weight, eps)
 
     def _out_of_range(self, bucket: Tensor) -> Tensor:
         return (bucket < 0) | (bucket >= self.buckets)
@@ -109,8 +111,23 @@ class FeedForward(nn.Module):
 
     def output_bound(self, eps: float) -> Tensor:
         """[d_model] the most |forward(h)| can be, for any h (in eval mode: dropout scales nothing)."""
-        hidden = normed_linear_bound(self.norm, self.up, eps)  # relu leaves 0..this
+        hidden = normed_linear_bound(self.norm, self.up.weight, self.up.bias, eps)  # relu leaves 0..this
         return linear_bound(self.down.weight, self.down.bias, hidden, eps)
+
+    def projected_bound(self, weight: Tensor, eps: float) -> Tensor:
+        """[out] the most |weight forward(h)| can be, for any h, weight [out, d_model]. forward(h) = down r + b
+        with r = relu(up(norm(h))) in [0, R] (R [hidden]: normed_linear_bound), so weight forward(h) = M r +
+        weight b, M = weight down, lies in weight b + [-relu(-M) R, relu(M) R]: far tighter than |weight|
+        times output_bound where M's rows mix signs. Rounding adds at most (hidden + d + 10) eps of the
+        latter: forward's own (hidden + 4), the product's (d + 4), the sum with the norm's output (1)."""
+        hidden = normed_linear_bound(self.norm, self.up.weight, self.up.bias, eps)  # [hidden]
+        weight = weight.detach().double()  # [out, d]
+        m = weight @ self.down.weight.detach().double()  # [out, hidden]
+        constant = weight @ self.down.bias.detach().double()  # [out]
+        highest = constant + m.clamp(min=0) @ hidden
+        lowest = constant - (-m).clamp(min=0) @ hidden
+        rounding = (weight.abs() @ self.output_bound(eps)) * (len(hidden) + weight.shape[1] + 10) * eps
+        return torch.maximum(highest.abs(), lowest.abs()) + rounding
 
 
 def linear_bound(weight: Tensor, bias: Tensor | None, inputs: Tensor, eps: float) -> Tensor:
@@ -130,16 +147,15 @@ def layer_norm_bound(norm: nn.LayerNorm, eps: float) -> Tensor:
     return (gamma.abs() * math.sqrt(d - 1) + beta.abs()) * (1 + (d + 4) * eps)
 
 
-def normed_linear_bound(norm: nn.LayerNorm, linear: nn.Linear, eps: float) -> Tensor:
-    """[out] the most |linear(norm(x))| can be, for any x. norm(x) = gamma u + beta with sum(u^2) <= d
-    (layer_norm_bound), so linear's row w adds at most sqrt(d) ||w gamma||_2 (Cauchy-Schwarz) to the
-    constant w beta + b; or at most layer_norm_bound term by term, whichever is less."""
+def normed_linear_bound(norm: nn.LayerNorm, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """[out] the most |weight norm(x) + bias| can be, for any x, weight [out, d]. norm(x) = gamma u + beta
+    with sum(u^2) <= d (layer_norm_bound), so a row w adds at most sqrt(d) ||w gamma||_2 (Cauchy-Schwarz) to
+    the constant w beta + b; or at most layer_norm_bound term by term, whichever is less."""
     d = norm.normalized_shape[-1]
     gamma, beta = _affine(norm)
-    weight = linear.weight.detach().double()  # [out, d]
-    bias = torch.zeros(len(weight), dtype=torch.float64, device=weight.device)
-    if linear.bias is not None:
-        bias = linear.bias.detach().double()
+    weight = weight.detach().double()  # [out, d]
+    bias = torch.zeros(len(weight), dtype=torch.float64, device=weight.device) if bias is None else bias
+    bias = bias.detach().double()
     normed = layer_norm_bound(norm, 0.0)
     termwise = weight.abs() @ normed + bias.abs()
     least = torch.minimum(
@@ -151,7 +167,7 @@ def normed_linear_bound(norm: nn.LayerNorm, linear: nn.Linear, eps: float) -> Te
 def key_value_bound(norm: nn.LayerNorm, qkv: nn.Linear, heads: int) -> tuple[Tensor, Tensor]:
     """The most |k| and |v| [H, D] of a pre-norm attention block's qkv(norm(h)) ([..., 3, H, D]), any h."""
     eps = torch.finfo(qkv.weight.dtype).eps
-    _, k, v = normed_linear_bound(norm, qkv, eps).unflatten(0, (3, heads, -1)).unbind(0)
+    _, k, v = normed_linear_bound(norm, qkv.weight, qkv.bias, eps).unflatten(0, (3, heads, -1)).unbind(0)
     return k, v
 
 

@@ -7,10 +7,12 @@ less overhead per call than nn.LSTM over a sequence of one).
 
 What a state can hold (state_faults): h = o tanh(c) with the output gate o in [0, 1], so |h| <= 1. And
 c' = f c + i g with f, i in [0, 1] and |g| <= 1: c moves by at most 1 an event, and shrinks by f. The weights
-bound the gates' pre-activations (the encoder's output and the layer below's h are bounded, models/encoder.py),
-so f <= F < 1 and |i g| <= A per unit, and from c = 0 on, |c| <= A / (1 - F) (cell_bound, rounding included).
-Where F rounds to 1 the float format still bounds c: once |c| is 2^p (p the significand's bits, 2^24 in
-float32), adding at most 1 rounds back to it. And after n events |c| <= n, where the caller knows n.
+bound the gates' pre-activations, so f <= F < 1 and |i g| <= A per unit, and from c = 0 on,
+|c| <= A / (1 - F) (cell_bound, rounding included). The first layer reads the encoder's output, a LayerNorm's
+(plus an FFN's of it), bounded through the norm by Cauchy-Schwarz (EventEncoder.projected_bound: term by term
+its F would round to 1); a layer above reads the h below (|h| <= 1). Where F rounds to 1 all the same, the
+float format still bounds c: once |c| is 2^p (p the significand's bits, 2^24 in float32), adding at most 1
+rounds back to it. And after n events |c| <= n, where the caller knows n.
 """
 
 from dataclasses import dataclass
@@ -110,11 +112,14 @@ class LSTMDetector(RecurrentDetector):
         weights_eps = torch.finfo(self.encoder.norm.weight.dtype).eps
         eps = max(weights_eps, torch.finfo(self.state_dtype).eps)
         most = 2 / torch.finfo(self.state_dtype).eps  # 2^p: where adding at most 1 rounds back
-        below = self.encoder.output_bound(weights_eps)  # [d] the first layer's input
         bounds = []
-        for w_ih, w_hh, b_ih, b_hh in self.lstm.all_weights:
-            h = torch.ones(w_hh.shape[1], dtype=torch.float64, device=below.device)
-            z = linear_bound(w_ih, b_ih, below, weights_eps) + linear_bound(w_hh, b_hh, h, weights_eps)
+        for layer, (w_ih, w_hh, b_ih, b_hh) in enumerate(self.lstm.all_weights):
+            h = torch.ones(w_hh.shape[1], dtype=torch.float64, device=w_hh.device)  # |h| <= 1, any layer's
+            if layer == 0:  # the encoder's output
+                reads = self.encoder.projected_bound(w_ih, b_ih, weights_eps)
+            else:  # the h of the layer below
+                reads = linear_bound(w_ih, b_ih, h, weights_eps)
+            z = reads + linear_bound(w_hh, b_hh, h, weights_eps)
             z_i, z_f, z_g, _ = z.chunk(4)  # [d] each: the gates' pre-activations at most, nn.LSTM's order
             step = torch.sigmoid(z_i) * torch.tanh(z_g)  # the most |i g|
             # c' = f c + i g, each of its four roundings by at most eps: |c'| <= r (F |c| + A), r = 1 + 4 eps,
@@ -123,5 +128,4 @@ class LSTMDetector(RecurrentDetector):
             room = torch.sigmoid(-z_f) - 4 * eps * keep
             fixed = (1 + 4 * eps) * step / room.clamp(min=torch.finfo(torch.float64).tiny)
             bounds.append(torch.where(room > 0, fixed.clamp(max=most), most))
-            below = h  # the next layer reads this one's h
         return torch.stack(bounds)

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 from models.checks import is_finite_number, is_integer, is_number
 from pipeline.data.ids import MAX_ID_CHARS, unseen_character
-from pipeline.features.state import MAX_AMOUNT
+from pipeline.data.schema import MAX_AMOUNT
 
 MAX_MESSAGE_BYTES = 64 * 1024
 # A timestamp before earliest_ts (by default this one) or from 2100 on is a typo or a unit mix-up (seconds
@@ -75,7 +75,7 @@ class MessageLimits:
                 raise ValueError(f"{name} = {value!r}: expected a finite number > 0")
         if self.max_amount > MAX_AMOUNT:
             # The features of any history stay finite, and a state record's sums within the bounds its restore
-            # checks (pipeline/features/state.py).
+            # checks (pipeline/data/schema.py).
             raise ValueError(f"max_amount = {self.max_amount!r}: expected at most {MAX_AMOUNT:g}")
         for name, choices in (("unknown_fields", UNKNOWN_FIELDS), ("timestamp_format", TIMESTAMP_FORMATS)):
             if getattr(self, name) not in choices:

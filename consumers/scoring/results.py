@@ -26,7 +26,7 @@ class Rejected(NamedTuple):
 
     index: int  # in the micro-batch given
     reason: str
-    replay: bool  # its event_id was applied already (else: its features are not finite)
+    replay: bool  # its event_id was applied already (else: its amount is out of range, or its features not finite)
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class ScorerStats:
     replays_dropped: int = 0  # an event_id its account had applied already, at another offset
     # events applied although their account's last applied position was past every offset read (corrupt)
     positions_repaired: int = 0
+    amounts_refused: int = 0  # events whose amount lies outside 0..MAX_AMOUNT (pipeline/data/schema.py)
     not_finite: int = 0  # events whose feature row was not finite
     out_of_order: int = 0
     reasons_failed: int = 0  # alerts that went out without reasons: explaining them raised

@@ -6,19 +6,21 @@ Per micro-batch (one Kafka poll, or one slice of a replayed history), in arrival
      producing the scores and committing the offsets) changes nothing, with or without Kafka transactions;
   2. reject replays: an event whose event_id is among its account's last RECENT_EVENT_IDS (or earlier in
      this batch) — the same event at another offset, e.g. a producer's retry — is not applied again;
-  3. featurize the rest with the streaming featurizer, in one call; an event whose feature row is not
+  3. reject an amount outside 0..MAX_AMOUNT (pipeline/data/schema.py: the rule every entry point keeps; the
+     service's decoder is stricter still): its account's state would hold what a restore refuses;
+  4. featurize the rest with the streaming featurizer, in one call; an event whose feature row is not
      finite is rejected before it changes any state (StreamingFeaturizer.transform_finite);
-  4. normalise with the model's feature spec: x = [features, terminal bucket] [N, F + 1];
-  5. step the detector in rounds: round r holds the r-th event of every account in the batch, so each
+  5. normalise with the model's feature spec: x = [features, terminal bucket] [N, F + 1];
+  6. step the detector in rounds: round r holds the r-th event of every account in the batch, so each
      account's events go in order, and each round is ONE batched step over its accounts (gather their
      states from the store, step, scatter back). A score that is not finite raises: it is a fault, which
      the caller's rollback and last resort deal with;
-  6. bookkeeping: each account's last applied position, newest ts and recent event ids, the set of changed
+  7. bookkeeping: each account's last applied position, newest ts and recent event ids, the set of changed
      accounts;
-  7. reasons for the alerts (explain.py): each alerted event's logit attributed with its account's state
-     before the event held fixed, from a copy of the batch's states taken before step 5. Should that raise,
+  8. reasons for the alerts (explain.py): each alerted event's logit attributed with its account's state
+     before the event held fixed, from a copy of the batch's states taken before step 6. Should that raise,
      the alerts go out without reasons, counted (stats.reasons_failed) and logged: never a rejected event;
-  8. with a shadow challenger (shadow.py), its detector steps the same feature rows from its own states,
+  9. with a shadow challenger (shadow.py), its detector steps the same feature rows from its own states,
      and its rows copy the champion's bookkeeping.
 Rejected events come back with the reason (score_batch), for the service's dead-letter topic. The backtest
 replays a dataset through this same step (history_replay.py: Scorer.replay).
@@ -51,6 +53,7 @@ from consumers.scoring.messages import Transaction
 from consumers.scoring.results import Rejected, Scored, ScoredArrays, ScoreRecord, ScorerStats, sigmoid
 from consumers.scoring.shadow import ShadowModel
 from consumers.scoring.state_store import StateStore, rounds_of
+from pipeline.data.schema import AMOUNT_RANGE, amount_outside
 from pipeline.features.definitions import DAY_US
 from pipeline.features.reasons import Explanation
 from pipeline.features.stream import StreamingFeaturizer
@@ -272,8 +275,9 @@ class Scorer(HeldAccounts, HistoryReplay):
                         replay=True,
                     )
                 )
-        applied = np.flatnonzero(keep)
         replays = len(rejected)
+        refused = self._refuse_amounts(events, event_ids, keep, rejected)
+        applied = np.flatnonzero(keep)
         logit = score = np.empty(0)
         late = np.empty(0, dtype=bool)
         reasons = {}
@@ -347,10 +351,31 @@ class Scorer(HeldAccounts, HistoryReplay):
         self.stats.events_applied += m
         self.stats.duplicates_dropped += duplicates
         self.stats.replays_dropped += replays
-        self.stats.not_finite += len(rejected) - replays
+        self.stats.amounts_refused += refused
+        self.stats.not_finite += len(rejected) - replays - refused
         self.stats.out_of_order += int(out.out_of_order.sum())
         self.stats.total_s += time.perf_counter() - started
         return out
+
+    def _refuse_amounts(
+        self, events: EventBatch, event_ids: Sequence[str] | None, keep: np.ndarray, rejected: list[Rejected]
+    ) -> int:
+        """Take the events kept [N] whose amount lies outside what an event may hold out of `keep`, each into
+        `rejected` with the reason; -> how many."""
+        outside = np.flatnonzero(keep & amount_outside(events.amounts)).tolist()
+        for i in outside:
+            keep[i] = False
+            name = repr(event_ids[i]) if event_ids is not None else f"number {i}"
+            rejected.append(
+                Rejected(
+                    i,
+                    f"the amount {float(events.amounts[i])!r} of event {name} (account "
+                    f"{events.account_ids[i]!r}) is not {AMOUNT_RANGE}, what its account's state holds (a "
+                    "state holding more could not be restored); not applied",
+                    replay=False,
+                )
+            )
+        return len(outside)
 
     def _explain(
         self, snapshot: Snapshot, rows: np.ndarray, x: np.ndarray, features: np.ndarray, score: np.ndarray

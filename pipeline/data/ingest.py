@@ -23,7 +23,7 @@ from pipeline.data.ingest_input import ENDS_EMPTY, FIELDS, ROW, IngestInput
 from pipeline.data.ingest_report import IngestError, IngestReport, Problem
 from pipeline.data.mapping import MappingError, load_mapping
 from pipeline.data.rules import ID_EXPECTED, TIMESTAMP_COLUMNS, Rule, value_rules
-from pipeline.data.schema import MAX_LABEL_DELAY_DAYS, TRANSACTION_SCHEMA, TS_RANGE
+from pipeline.data.schema import MAX_AMOUNT, MAX_LABEL_DELAY_DAYS, TRANSACTION_SCHEMA, TS_RANGE
 from pipeline.data.source_text import cut_column
 
 ON_INVALID = ("fail", "quarantine")
@@ -237,6 +237,9 @@ _UNREAD = {
 }
 
 
+_AMOUNT_PROBLEMS = {"negative": "negative", "not_finite": "not finite", "too_large": f"above {MAX_AMOUNT:g}"}
+
+
 def _problem(src: IngestInput, rule: Rule, label_delay_days: float) -> pl.Expr:
     """Pass 2's words for a row that breaks `rule`: what is wrong with its source text, what was expected."""
     c, key = rule.column, rule.key
@@ -265,7 +268,7 @@ def _problem(src: IngestInput, rule: Rule, label_delay_days: float) -> pl.Expr:
         return _empty_or(c, expected, f"is not a fraud label; expected {expected}")
     if key == "missing":  # the amount
         return _empty_or(c, "a number", f"is not a number; expected {rule.expected}")
-    return pl.lit(f"is {'negative' if key == 'negative' else 'not finite'}; expected {rule.expected}")
+    return pl.lit(f"is {_AMOUNT_PROBLEMS[key]}; expected {rule.expected}")
 
 
 def _empty_or(canonical: str, expected: str, otherwise: str) -> pl.Expr:

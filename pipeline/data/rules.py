@@ -13,11 +13,18 @@ from dataclasses import dataclass
 import polars as pl
 
 from pipeline.data.ids import MAX_ID_CHARS, id_problem
-from pipeline.data.schema import EARLIEST_TS, EVENT_ORDER, LATEST_TS, OPTIONAL_COLUMNS, TS_RANGE
+from pipeline.data.schema import (
+    AMOUNT_RANGE,
+    EARLIEST_TS,
+    EVENT_ORDER,
+    LATEST_TS,
+    MAX_AMOUNT,
+    OPTIONAL_COLUMNS,
+    TS_RANGE,
+)
 
 ID_COLUMNS = ("event_id", "account_id", "terminal_id")
 TIMESTAMP_COLUMNS = ("ts", "label_ts")
-FINITE_AMOUNT = "a finite amount >= 0"
 ID_EXPECTED = f"printable, visible characters, at most {MAX_ID_CHARS}, as the service reads them"
 
 
@@ -27,7 +34,7 @@ class Rule:
     key: str  # unique within the column, e.g. "negative"
     title: str  # what is wrong, for a person, e.g. "negative amount"
     failed: pl.Expr  # [N] True where a row breaks the rule (null: it does not)
-    expected: str  # what a value should be, e.g. "a finite amount >= 0"
+    expected: str  # what a value should be, e.g. "a time in 1970-01-01 .. 2099-12-31 UTC"
 
     @property
     def flag(self) -> str:
@@ -53,9 +60,16 @@ def value_rules(columns: Collection[str]) -> list[Rule]:
             rules.append(Rule(c, "out_of_range", "timestamp out of range", outside, f"a time in {TS_RANGE}"))
     amount = pl.col("amount")
     rules += [
-        Rule("amount", "missing", "missing amount", amount.is_null(), FINITE_AMOUNT),
-        Rule("amount", "not_finite", "amount not finite", ~amount.is_finite(), FINITE_AMOUNT),
-        Rule("amount", "negative", "negative amount", amount.is_finite() & (amount < 0), FINITE_AMOUNT),
+        Rule("amount", "missing", "missing amount", amount.is_null(), AMOUNT_RANGE),
+        Rule("amount", "not_finite", "amount not finite", ~amount.is_finite(), AMOUNT_RANGE),
+        Rule("amount", "negative", "negative amount", amount.is_finite() & (amount < 0), AMOUNT_RANGE),
+        Rule(
+            "amount",
+            "too_large",
+            "amount too large",
+            amount.is_finite() & (amount > MAX_AMOUNT),
+            AMOUNT_RANGE,
+        ),
     ]
     if "is_fraud" in columns:
         missing = pl.col("is_fraud").is_null()

@@ -40,6 +40,22 @@ EARLIEST_TS = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_TS = datetime(2100, 1, 1, tzinfo=UTC)
 TS_RANGE = "1970-01-01 .. 2099-12-31 UTC"
 
+# Every amount lies in 0..MAX_AMOUNT, wherever events enter: ingest, a dataset read, the scorer (service and
+# backtest) and the MLflow model. The streaming featurizer's state holds any history of such amounts (2**31
+# events a day at this amount still sum far from the float maximum, and log1p keeps its precision), and a
+# restored record is held to bounds that rest on it (pipeline/features/record_checks.py): an event above it
+# would write a state its account's restore refuses. The service's max_amount setting may not exceed it.
+MAX_AMOUNT = 1e15
+AMOUNT_RANGE = f"a finite amount in 0..{MAX_AMOUNT:g}"
+
+
+def amount_outside(amount):
+    """Where an amount is none an event may hold: not a number, negative, or above MAX_AMOUNT. Of amounts [N]
+    (a numpy array) or a polars expression alike: NaN fails both comparisons in numpy, and in polars, where
+    NaN sorts above every number, the second."""
+    return ~((amount >= 0) & (amount <= MAX_AMOUNT))
+
+
 # Chargeback windows run to about 540 days; ten years is past any of them, and keeps ts + delay a time that
 # polars and Python both hold for every ts a dataset may have. The longest delay a setting may give a label.
 MAX_LABEL_DELAY_DAYS = 3650

@@ -29,8 +29,9 @@ The bounds, and why every fold keeps them:
 
 import numpy as np
 
+from pipeline.data.schema import MAX_AMOUNT
 from pipeline.features.definitions import DAY_US, RING_DAYS
-from pipeline.features.state import MAX_AMOUNT, MAX_EPOCH_DAY, MAX_TS_US
+from pipeline.features.state import MAX_EPOCH_DAY, MAX_TS_US
 
 DAY_EVENTS = 2**31 - 1  # the most events of one day an account is served: its day bucket is an int32
 _MOST_EVENTS = (MAX_EPOCH_DAY + 1) * DAY_EVENTS
@@ -110,7 +111,7 @@ def _range(name: str, dtype: np.dtype, last_day: int) -> str:
     if name.endswith("day"):
         to_come = " (a later one is still to come)" if last_day < MAX_EPOCH_DAY else ""
         return f"an epoch day in 0..{last_day}{to_come}, or -1 for none"
-    return "a finite sum >= 0" if dtype.kind == "f" else "a count >= 0"
+    return "a finite sum >= 0" if dtype.base.kind == "f" else "a count >= 0"
 
 
 _COUNTED = "0 in an empty bucket (day -1), at least 1 in a bucket holding a day"

@@ -7,6 +7,7 @@ A record's size never depends on history length, and its bytes are the unit the 
 
 import json
 import struct
+from collections import Counter
 
 import numpy as np
 
@@ -23,10 +24,6 @@ STATE_VERSION = 1
 # The last day (in 4840) the stream's composite keys hold: callers keep days within.
 MAX_EPOCH_DAY = (1 << 20) - 1
 MAX_TS_US = (MAX_EPOCH_DAY + 1) * DAY_US - 1
-# The largest amount the stream's state holds: callers keep amounts within (the service's max_amount may not
-# exceed it). 2**31 events a day at this amount still sum far from the float maximum, and log1p keeps its
-# precision. The bounds a restored record is held to rest on it (record_checks.py).
-MAX_AMOUNT = 1e15
 _MAGIC = b"TXSF"
 _HEADER = struct.Struct("<4sHHI")  # magic, state version, feature version, json header length
 
@@ -214,36 +211,65 @@ def encode_tables(tables: dict[str, StateTable]) -> bytes:
     return b"".join(parts)
 
 
-def decode_tables(data: bytes, tables: dict[str, StateTable]) -> None:
-    """Load a snapshot written by encode_tables into (empty) tables, refusing other versions."""
-    magic, state_version, feature_version, header_len = _HEADER.unpack_from(data)
-    if magic != _MAGIC:
-        raise ValueError("not a txsentinel featurizer state snapshot (bad magic bytes)")
+def read_snapshot(data: bytes, dtypes: dict[str, np.dtype]) -> dict[str, tuple[list[str], np.ndarray]]:
+    """Each table's keys [K] and records [K] (of dtypes[name]) in a snapshot written by encode_tables.
+
+    Refuses, naming what is wrong, another version, records of another size, and bytes that are no snapshot
+    of this layout: a short or garbled header, keys that are not distinct strings, fewer or more record bytes
+    than the keys take. Whether the records hold what events fold is the caller's to check
+    (record_checks.py: StreamingFeaturizer.from_bytes)."""
+    where = "featurizer state snapshot"
+    if len(data) < _HEADER.size or bytes(data[:4]) != _MAGIC:
+        raise ValueError(
+            f"not a txsentinel {where} (starts with {bytes(data[:4])!r}, expected {_MAGIC!r}, {len(data)} bytes)"
+        )
+    _, state_version, feature_version, header_len = _HEADER.unpack_from(data)
     if (state_version, feature_version) != (STATE_VERSION, FEATURE_VERSION):
         raise ValueError(
             f"featurizer state is state v{state_version} / features v{feature_version}; this txsentinel "
             f"runs state v{STATE_VERSION} / features v{FEATURE_VERSION}. Rebuild the state by replaying "
             "history with the current version."
         )
-    offset = _HEADER.size
-    header = json.loads(data[offset : offset + header_len])
-    offset += header_len
+    offset = _HEADER.size + header_len
+    if offset > len(data):
+        raise ValueError(
+            f"{where}: its header announces {header_len} bytes of keys, {len(data) - _HEADER.size} follow: "
+            "the snapshot is truncated"
+        )
+    try:
+        header = json.loads(data[_HEADER.size : offset])
+    except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, or nested past the parser
+        raise ValueError(f"{where}: its header is not JSON ({error}): the snapshot is corrupt") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{where}: its header is {type(header).__name__}, expected a JSON object")
     # Written before the record sizes were: accounts of 580 bytes, terminals of 484 (before they remembered
     # their reported events).
     sizes = header.get("record_bytes", {"accounts": 580, "terminals": 484})
-    for name, table in tables.items():
-        if sizes.get(name) != table.dtype.itemsize:
+    for name, dtype in dtypes.items():
+        size = sizes.get(name) if isinstance(sizes, dict) else None
+        if size != dtype.itemsize:
             raise ValueError(
-                f"featurizer state snapshot holds {name} records of {sizes.get(name)} bytes; this txsentinel's "
-                f"are {table.dtype.itemsize} bytes. Rebuild the state by replaying history with the current "
-                "version."
+                f"{where} holds {name} records of {size} bytes; this txsentinel's are {dtype.itemsize} bytes. "
+                "Rebuild the state by replaying history with the current version."
             )
-    for name, table in tables.items():
-        keys = header[name]
-        size = len(keys) * table.dtype.itemsize
-        records = np.frombuffer(data[offset : offset + size], dtype=table.dtype)
+    out = {}
+    for name, dtype in dtypes.items():
+        keys = header.get(name)
+        if not isinstance(keys, list) or not all(isinstance(key, str) for key in keys):
+            raise ValueError(f"{where}: its {name} are {str(keys)[:80]}, expected a list of keys (strings)")
+        if len(set(keys)) != len(keys):
+            repeated = next(key for key, n in Counter(keys).items() if n > 1)
+            raise ValueError(
+                f"{where}: {name} key {repeated[:100]!r} appears more than once, expected each once"
+            )
+        size = len(keys) * dtype.itemsize
+        if offset + size > len(data):
+            raise ValueError(
+                f"{where}: {len(keys)} {name} take {size} bytes, {len(data) - offset} follow: the snapshot is "
+                "truncated"
+            )
+        out[name] = (keys, np.frombuffer(data, dtype=dtype, count=len(keys), offset=offset))
         offset += size
-        slots = table.slots(keys)
-        table.records[slots] = records
     if offset != len(data):
-        raise ValueError(f"featurizer state snapshot has {len(data) - offset} trailing bytes")
+        raise ValueError(f"{where} has {len(data) - offset} trailing bytes")
+    return out

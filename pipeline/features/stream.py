@@ -3,9 +3,10 @@
 For each micro-batch the raw aggregates of `definitions.py` are "what the state says about earlier batches"
 plus "what earlier events of this batch add": the in-batch part uses the same sorted-key trick as the batch
 form, on a few hundred events instead of the whole dataset. Work per batch is O(N log N) numpy with one dict
-look-up per event; no Python loop per event touches the arithmetic. The in-batch running sums are per
-entity (grouped_cumsum): an account's sums add its own values only, so one account's extreme amounts never
-reach another account's features, not even in the last bit.
+look-up per event; no Python loop per event touches the arithmetic. The in-batch sums (stream_windows.py)
+add an entity's own values only, and a window's sum the values in that window only, so one account's
+extreme amounts never reach another account's features, nor a window they lie outside, not even in the last
+bit.
 
 A batch is read first, then folded into the state (`_read` returns the fold): transform_finite leaves out
 the events whose feature row is not finite before anything is folded, so they change no state.
@@ -13,7 +14,7 @@ the events whose feature row is not finite before anything is folded, so they ch
 Events are applied in arrival order. A late event (older day than its account or terminal has seen) has its
 windows end at the newest day seen, and its gap is clipped to 0; the next event's gap runs from the newest
 event seen, not from the late one; and it is counted on its own day, in the state and in the windows of the
-events after it in its batch (_in_batch_windows) alike, so a payment dated years back never reads as today's,
+events after it in its batch (stream_windows.py) alike, so a payment dated years back never reads as today's,
 and no feature depends on how the stream is cut into batches. In time order — what the batch form and a
 replay see — no event is late and both forms agree exactly.
 
@@ -44,14 +45,14 @@ from pipeline.features.definitions import (
     feature_matrix,
     terminal_hashes,
 )
+from pipeline.features.record_checks import record_fault, record_faults
 from pipeline.features.state import (
     ACCOUNT_STATE,
-    MAX_EPOCH_DAY,
     TERMINAL_STATE,
     StateTable,
     add_to_ring,
-    decode_tables,
     encode_tables,
+    read_snapshot,
     ring_window_sums,
 )
 from pipeline.features.stream_batches import (
@@ -61,6 +62,7 @@ from pipeline.features.stream_batches import (
     TerminalOp,
     take_events,
 )
+from pipeline.features.stream_windows import DAY_SPAN, grouped_cumsum, in_batch_windows
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,6 @@ class _FraudLabels:
     label_us: np.ndarray
     days: np.ndarray
     events: np.ndarray
-
-
-_DAY_SPAN = MAX_EPOCH_DAY + 1  # composite key = code * _DAY_SPAN + day; epoch days stay far below 2**20
 
 
 def _entity_batch(table: StateTable, keys: Sequence[str], days: np.ndarray):
@@ -88,9 +87,9 @@ def _entity_batch(table: StateTable, keys: Sequence[str], days: np.ndarray):
     _, codes = np.unique(slots, return_inverse=True)
     order = np.argsort(codes, kind="stable")
     state_max_day = table.records["max_day"][slots].astype(np.int64)
-    key = np.maximum.accumulate(codes[order] * _DAY_SPAN + np.maximum(days[order], state_max_day[order]))
+    key = np.maximum.accumulate(codes[order] * DAY_SPAN + np.maximum(days[order], state_max_day[order]))
     day_eff = np.empty(len(keys), dtype=np.int64)
-    day_eff[order] = key % _DAY_SPAN
+    day_eff[order] = key % DAY_SPAN
     return slots, codes, order, key, day_eff
 
 
@@ -113,73 +112,6 @@ def _newest_so_far(
     return newest
 
 
-def grouped_cumsum(values: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """Inclusive running sums of `values` [N] (sorted by group) that restart at each group (`first` [N] marks
-    a group's first element).
-
-    Every sum adds values of its own group only, in an order set by the positions within the group (a
-    Hillis-Steele scan: log2 of the longest group vectorised steps), so a group's sums do not depend on any
-    other group's values or on where the group lies in the batch, to the last bit.
-    """
-    n = len(values)
-    index = np.arange(n)
-    within = index - np.maximum.accumulate(np.where(first, index, 0))  # position inside the group
-    out = np.array(values, dtype=np.float64)
-    shift = 1
-    while True:
-        take = np.flatnonzero(within >= shift)
-        if len(take) == 0:
-            return out
-        out[take] = out[take] + out[take - shift]  # the right side is read whole before it is written
-        shift *= 2
-
-
-def _in_batch_windows(
-    key: np.ndarray, values: np.ndarray | None, first: np.ndarray, days: np.ndarray
-) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """For each window d: (count, sum of values) over earlier-or-same events of this batch in the window,
-    each earlier event on its own day. key [N] sorted (_entity_batch's: entity * 2**20 + the entity's newest
-    day so far); first [N] marks each entity's first event; days [N] each event's own day, in key order."""
-    position = np.arange(len(key))
-    running = None if values is None else grouped_cumsum(values, first)
-    late = _late_in_batch(key, days, values)
-    out = {}
-    for d in WINDOW_DAYS:
-        start = np.searchsorted(key, key - (d - 1), side="left")
-        count = position - start + 1
-        total = None if running is None else running - running[start] + values[start]
-        if late is not None:
-            count = count - late[d][0]
-            total = None if total is None else total - late[d][1]
-        out[d] = (count, total)
-    return out
-
-
-def _late_in_batch(
-    key: np.ndarray, days: np.ndarray, values: np.ndarray | None
-) -> dict[int, tuple[np.ndarray, np.ndarray | None]] | None:
-    """What the searchsorted windows of _in_batch_windows count that they should not: they count each
-    earlier event of the batch on its entity's newest day so far (its key), where the state folds a late
-    event on its own day. For each window d, per event (all [N] in key order): the count and sum of values
-    of the earlier late events of its entity whose key falls in its window and whose own day does not. None
-    when no event of the batch came late (the common case: nothing to take back).
-
-    Few events come late: a [N, L] comparison against the L late ones. An event's own count always includes
-    itself, late or not, as the batch form's windows do."""
-    codes, day_eff = key // _DAY_SPAN, key % _DAY_SPAN
-    late = np.flatnonzero(days < day_eff)
-    if not late.size:
-        return None
-    earlier = (late[None, :] < np.arange(len(days))[:, None]) & (codes[late][None, :] == codes[:, None])
-    out = {}
-    for d in WINDOW_DAYS:
-        start = day_eff[:, None] - d  # [N, 1]: the window holds the days after it
-        wrong = earlier & (day_eff[late][None, :] > start) & (days[late][None, :] <= start)  # [N, L]
-        total = None if values is None else np.where(wrong, values[late][None, :], 0.0).sum(axis=1)
-        out[d] = (wrong.sum(axis=1), total)
-    return out
-
-
 class StreamingFeaturizer:
     """Keeps per-account and per-terminal state and turns micro-batches of events into features."""
 
@@ -196,8 +128,22 @@ class StreamingFeaturizer:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StreamingFeaturizer":
+        """The featurizer to_bytes wrote. Raises ValueError naming what is wrong: another version or layout
+        (state.read_snapshot), or a record holding what no events fold (record_checks.py), which would read
+        as garbage ever after."""
         featurizer = cls()
-        decode_tables(data, {"accounts": featurizer.accounts, "terminals": featurizer.terminals})
+        tables = {"accounts": featurizer.accounts, "terminals": featurizer.terminals}
+        snapshot = read_snapshot(data, {name: table.dtype for name, table in tables.items()})
+        for name, (keys, records) in snapshot.items():
+            bad = np.flatnonzero(record_faults(records))
+            if len(bad):
+                raise ValueError(
+                    f"featurizer state snapshot: the {name} record of {keys[bad[0]][:100]!r} holds "
+                    f"{record_fault(records[bad[0]])}, which no events give ({len(bad)} record(s) like it): the "
+                    "snapshot is corrupt. Rebuild the state by replaying history."
+                )
+            slots = tables[name].add(keys)  # may grow the table: its records are read after
+            tables[name].records[slots] = records
         return featurizer
 
     def checkpoint(self, accounts: Sequence[str], terminals: Sequence[str]) -> FeaturizerCheckpoint:
@@ -313,7 +259,7 @@ class StreamingFeaturizer:
         repeat[pair_order[1:]] = pair[pair_order][1:] == pair[pair_order][:-1]
         out["terminal_seen"] = (seen_state.astype(bool) | repeat).astype(np.int64)
 
-        in_batch = _in_batch_windows(key, amounts[order], first_in_group, days[order])
+        in_batch = in_batch_windows(key, amounts[order], first_in_group, days[order])
         in_state = ring_window_sums(rec, slots, day_eff, ("day_count", "day_amount"), "day")
         for d, (count, total) in in_batch.items():
             c = np.empty(n, dtype=np.int64)
@@ -351,7 +297,7 @@ class StreamingFeaturizer:
 
         out: dict[str, np.ndarray] = {}
         counts_in_state = ring_window_sums(rec, slots, day_eff, ("day_count",), "day")
-        for d, (count, _) in _in_batch_windows(key, None, None, days[order]).items():
+        for d, (count, _) in in_batch_windows(key, None, None, days[order]).items():
             c = np.empty(n, dtype=np.int64)
             c[order] = count
             out[f"terminal_count_{d}d"] = c + counts_in_state[d][0]
@@ -474,12 +420,12 @@ class StreamingFeaturizer:
     @staticmethod
     def _fold_days(rec, slots, days, values: dict[str, np.ndarray], day_field: str) -> None:
         """Sum values per (slot, day), then add those totals into the day-rings."""
-        key = slots * _DAY_SPAN + days
+        key = slots * DAY_SPAN + days
         unique_key, inverse = np.unique(key, return_inverse=True)
         totals = {
             name: np.bincount(inverse, weights=v, minlength=len(unique_key)) for name, v in values.items()
         }
-        add_to_ring(rec, unique_key // _DAY_SPAN, unique_key % _DAY_SPAN, totals, day_field)
+        add_to_ring(rec, unique_key // DAY_SPAN, unique_key % DAY_SPAN, totals, day_field)
 
 
 def _report_once(rec: np.ndarray, slot: int, day: int, event: int) -> None:

@@ -33,7 +33,14 @@ from mlflow.types.schema import ColSpec, Schema
 import models
 import pipeline
 from models.contract import RecurrentDetector
-from pipeline.data.schema import LABEL_COLUMNS, OPTIONAL_COLUMNS, REQUIRED_COLUMNS, conform
+from pipeline.data.schema import (
+    AMOUNT_RANGE,
+    LABEL_COLUMNS,
+    OPTIONAL_COLUMNS,
+    REQUIRED_COLUMNS,
+    amount_outside,
+    conform,
+)
 from pipeline.features import TERMINAL_BUCKET_COLUMN, compute_features
 from pipeline.registry.artifact import DEFAULT_THRESHOLD, MODEL_DIR_ARTIFACT, LoadedModel, load_model_dir
 from pipeline.registry.tracking import pinned_requirements
@@ -161,8 +168,7 @@ def _canonical(transactions: pl.DataFrame) -> pl.DataFrame:
     # Timestamps without a zone are taken as UTC, the canonical zone.
     frame = conform(transactions.select(c for c in INPUT_COLUMNS if c in transactions.columns))
     checks = [(pl.col(c).is_null(), c, "expected a value") for c in REQUIRED_COLUMNS]
-    amount = pl.col("amount")
-    checks.append((~amount.is_finite() | (amount < 0), "amount", "expected a finite amount >= 0"))
+    checks.append((amount_outside(pl.col("amount")), "amount", f"expected {AMOUNT_RANGE}"))
     checks.append((pl.col("event_id").is_duplicated(), "event_id", "repeated; expected unique event ids"))
     for failed, column, expected in checks:
         bad = frame.with_row_index("row").filter(failed)

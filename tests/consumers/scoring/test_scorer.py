@@ -27,7 +27,6 @@ from pipeline.features import (
     fit_feature_spec,
 )
 from pipeline.features.definitions import FEATURE_VERSION
-from pipeline.features.state import ACCOUNT_STATE
 from pipeline.features.state import STATE_VERSION as FEATURIZER_STATE_VERSION
 from pipeline.registry.artifact import LoadedModel
 
@@ -367,7 +366,7 @@ def on_own_terminal(txs: list[Transaction], account: str, amount: float | None) 
 
 
 @pytest.mark.parametrize("name", DETECTORS)
-@pytest.mark.parametrize("amount", [1e15, 1e308])
+@pytest.mark.parametrize("amount", [1e15, 2e15, 1e308])
 def test_one_accounts_extreme_amounts_leave_every_other_accounts_scores_bit_for_bit(
     name, amount, frame, spec
 ):
@@ -392,18 +391,15 @@ def test_one_accounts_extreme_amounts_leave_every_other_accounts_scores_bit_for_
     assert [r for r in got if r.account_id != chosen] == others  # every field, every bit
     mine = [r for r in got if r.account_id == chosen]
     assert all(np.isfinite(r.logit) and 0.0 <= r.score <= 1.0 for r in got)
-    if amount == 1e15:  # large but within max_amount's bound: applied, finite
+    if amount == 1e15:  # large but within MAX_AMOUNT: applied, finite
         assert len(mine) == sum(t.account_id == chosen for t in txs) and rejected == []
-    else:  # its sums overflow: those events are refused with the reason, the others applied
-        assert rejected and all("are not finite (account_log_mean_amount" in r for r in rejected)
-        assert extreme.stats.not_finite == len(rejected) and mine
-    for account in extreme.accounts_in_memory:  # and nothing non-finite reached a state
-        # Read in memory: a record of sums past MAX_AMOUNT's (amounts the service's decoder refuses, and this
-        # scorer is handed directly) would not be restored (pipeline/features/record_checks.py).
-        features = np.frombuffer(extreme.featurizer.accounts.get_bytes(account), dtype=ACCOUNT_STATE)
-        assert all(
-            np.isfinite(features[f]).all() for f in ("sum_log_amount", "sumsq_log_amount", "day_amount")
-        )
+    else:  # above it (the service's decoder refuses it too): refused with the reason, nothing of it applied
+        assert len(rejected) == sum(t.account_id == chosen for t in txs) and mine == []
+        assert all(f"the amount {amount!r} of event " in r and "0..1e+15" in r for r in rejected)
+        assert extreme.stats.amounts_refused == len(rejected) and extreme.stats.not_finite == 0
+    restored = Scorer(model)  # every state it wrote restores: none holds what a restore refuses
+    for account in sorted(extreme.accounts_in_memory):
+        restored.restore_account(account, extreme.account_state_bytes(account))
         recurrent = extreme.store.gather(extreme.store.rows([account]))
         assert all(torch.isfinite(tensor).all() for tensor in recurrent.values())
 
@@ -486,6 +482,8 @@ def test_a_rollback_puts_accounts_and_terminals_back_exactly(name, frame, spec):
 
 
 def test_replay_refuses_a_dataset_it_cannot_apply(frame, spec):
-    bad = frame.head(100).with_columns(pl.lit(1e308).alias("amount"))
-    with pytest.raises(ValueError, match=r"replay: .* not applied, first row \d+: the features of event"):
+    bad = frame.head(100).with_columns(pl.lit(2e15).alias("amount"))
+    with pytest.raises(
+        ValueError, match=r"replay: .* not applied, first row 0: the amount 2000000000000000.0 of"
+    ):
         Scorer(make_model(DETECTORS[0], spec)).replay(bad)

@@ -142,6 +142,7 @@ ROW5 = pl.int_range(pl.len()) == 5  # the sixth row, an event_id E000000005 in a
             "amount not finite (column amount)",
         ),
         (pl.when(ROW5).then(-3.0).otherwise("amount").alias("amount"), "negative amount (column amount)"),
+        (pl.when(ROW5).then(2e15).otherwise("amount").alias("amount"), "amount too large (column amount)"),
         (pl.when(ROW5).then(None).otherwise("amount").alias("amount"), "missing amount (column amount)"),
         (
             pl.when(ROW5).then(None).otherwise("account_id").alias("account_id"),
@@ -166,6 +167,7 @@ ROW5 = pl.int_range(pl.len()) == 5  # the sixth row, an event_id E000000005 in a
     ids=[
         "nan",
         "negative",
+        "too large",
         "null amount",
         "null id",
         "invisible id",

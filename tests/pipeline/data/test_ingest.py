@@ -229,6 +229,25 @@ d,x,t,2024-02-01,1
     ]
 
 
+def test_an_amount_above_what_the_streams_state_holds_is_refused(tmp_path):
+    # The service's state, and so the backtest's replay, hold amounts up to 1e15: a larger one is no event.
+    csv = write(
+        tmp_path / "big.csv",
+        """
+event_id,account_id,terminal_id,ts,amount
+a,x,t,2024-01-31T13:45:00Z,1e15
+b,x,t,2024-01-31T13:46:00Z,2e15
+""",
+    )
+    with pytest.raises(IngestError) as caught:
+        ingest(IngestConfig(csv, CONFIGS / "canonical.yaml", tmp_path / "out"))
+    assert (
+        f'{csv} row 2 (line 3), column amount -> amount: value "2e15" is above 1e+15; expected a finite amount '
+        "in 0..1e+15"
+    ) in str(caught.value)
+    assert {p.title: p.rows for p in caught.value.report.problems} == {"amount too large": 1}
+
+
 def test_fail_mode_names_every_problem_and_writes_nothing(tmp_path):
     csv = write(tmp_path / "transactions.csv", BAD_CSV)
     with pytest.raises(IngestError) as caught:
@@ -237,7 +256,7 @@ def test_fail_mode_names_every_problem_and_writes_nothing(tmp_path):
     message = str(caught.value)
     for expected in [
         f"{csv}: 7 of 9 rows are invalid, so nothing was written",
-        f'{csv} row 2 (line 3), column TX_AMOUNT -> amount: value "-5.0" is negative; expected a finite amount >= 0',
+        f'{csv} row 2 (line 3), column TX_AMOUNT -> amount: value "-5.0" is negative; expected a finite amount in 0..1e+15',
         f'{csv} row 3 (line 4), column CUSTOMER_ID -> account_id: value "" is empty; expected a non-empty id',
         f'{csv} row 4 (line 5), column TX_DATETIME -> ts: value "2018-04-01 25:00:00" is not a timestamp; '
         'expected a date-time in format "%Y-%m-%d %H:%M:%S"',

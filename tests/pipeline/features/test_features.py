@@ -27,11 +27,13 @@ from pipeline.features.definitions import (
     DAY_US,
     RAW_FIELDS,
     REMEMBERED_REPORTS,
+    RING_DAYS,
+    WINDOW_DAYS,
     derive_features,
     feature_matrix,
 )
-from pipeline.features.stream import grouped_cumsum
 from pipeline.features.stream_batches import take_events
+from pipeline.features.stream_windows import grouped_cumsum
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday
 
@@ -456,6 +458,71 @@ def test_a_snapshot_whose_records_are_of_another_size_is_refused_by_name():
         StreamingFeaturizer.from_bytes(older)
 
 
+def snapshot(edit_records=None, edit_header=None, edit_bytes=None) -> bytes:
+    """The snapshot of a featurizer that saw one event of account "a" at terminal "t", edited: its records
+    in place (edit_records(account records [1], terminal records [1])), its JSON header (edit_header returns the new
+    header's text, or edits it in place and returns None), or its bytes."""
+    featurizer = StreamingFeaturizer()
+    featurizer.transform(EventBatch(["a"], ["t"], np.array([20_500 * DAY_US]), np.array([12.5])))
+    if edit_records is not None:
+        edit_records(featurizer.accounts.records[:1], featurizer.terminals.records[:1])
+    data = featurizer.to_bytes()
+    if edit_header is not None:
+        magic, state, feature, length = struct.unpack_from("<4sHHI", data)
+        header = json.loads(data[12 : 12 + length])
+        text = edit_header(header) or json.dumps(header).encode()
+        data = struct.pack("<4sHHI", magic, state, feature, len(text)) + text + data[12 + length :]
+    return data if edit_bytes is None else edit_bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (
+            {"edit_records": lambda a, t: np.put(a["day_amount"], 20_500 % RING_DAYS, np.nan)},
+            "the accounts record of 'a' holds day_amount = nan, expected a finite sum >= 0, which no events "
+            "give",
+        ),
+        (
+            {"edit_records": lambda a, t: np.put(a["count"], 0, -3)},
+            "the accounts record of 'a' holds count = -3, expected a count >= 0",
+        ),
+        (
+            {"edit_records": lambda a, t: np.put(t["day"], 0, 2**30)},
+            "the terminals record of 't' holds day = 1073741824, expected an epoch day in 0..1048575",
+        ),
+        (
+            {"edit_bytes": lambda d: d[:-1]},
+            "1 terminals take 868 bytes, 867 follow: the snapshot is truncated",
+        ),
+        ({"edit_bytes": lambda d: d + b"x"}, "has 1 trailing bytes"),
+        ({"edit_bytes": lambda d: d[:7]}, "not a txsentinel featurizer state snapshot .*7 bytes"),
+        ({"edit_bytes": lambda d: d[:12] + b"x" + d[13:]}, "its header is not JSON"),
+        ({"edit_header": lambda h: b"[" * 100_000}, "its header is not JSON"),
+        ({"edit_header": lambda h: b"[1, 2]"}, "its header is list, expected a JSON object"),
+        ({"edit_header": lambda h: h.update(accounts=5)}, "its accounts are 5, expected a list of keys"),
+        ({"edit_header": lambda h: h.update(accounts=["a", "a"])}, "accounts key 'a' appears more than once"),
+    ],
+    ids=[
+        "nan amount",
+        "negative count",
+        "day out of range",
+        "truncated",
+        "trailing",
+        "short",
+        "garbled header",
+        "deep header",
+        "header a list",
+        "keys not a list",
+        "repeated key",
+    ],
+)
+def test_a_snapshot_holding_what_no_events_give_is_refused_naming_what(corrupt, message):
+    assert StreamingFeaturizer.from_bytes(snapshot()).to_bytes() == snapshot()
+    with pytest.raises(ValueError, match=message):
+        StreamingFeaturizer.from_bytes(snapshot(**corrupt))
+
+
 def test_late_event_in_the_stream_is_featurized_without_going_back_in_time():
     featurizer = StreamingFeaturizer()
     ts = np.array([10 * DAY_US, 12 * DAY_US, 11 * DAY_US])  # third event arrives late
@@ -654,3 +721,28 @@ def test_an_event_whose_features_are_not_finite_is_left_out_and_changes_no_state
     )
     np.testing.assert_array_equal(features, without.transform(alone)[0])
     assert featurizer.to_bytes() == without.to_bytes()
+
+
+def test_a_window_sum_adds_the_amounts_in_the_window_only():
+    # Account a: 1e15 (the largest amount an event may hold) forty days before, then one come late from a
+    # year before; b: the late one only, its windows otherwise holding all its events of the batch. Neither
+    # 1e15 is in the windows of the small amounts of today, whose sums hold no trace of them, whether the
+    # events come in one batch or one at a time.
+    day = 20_500
+    days = np.array([day - 40, day, day, day, day - 400, day, day, day - 400, day])
+    batch = EventBatch(
+        ["a"] * 6 + ["b"] * 3,
+        ["t"] * 9,
+        days * DAY_US + np.arange(9),
+        np.array([1e15, 0.1, 0.2, 0.3, 1e15, 0.7, 0.1, 1e15, 0.7]),
+    )
+    together = StreamingFeaturizer().raw_aggregates(batch)
+    alone = StreamingFeaturizer()
+    one_by_one = [alone.raw_aggregates(take_events(batch, np.array([i]))) for i in range(9)]
+    today = [1, 2, 3, 5, 6, 8]
+    expected = [0.1, 0.1 + 0.2, 0.1 + 0.2 + 0.3, 0.1 + 0.2 + 0.3 + 0.7, 0.1, 0.1 + 0.7]
+    for d in WINDOW_DAYS:
+        name = f"account_amount_{d}d"
+        assert together[name][0] == one_by_one[0][name][0] == 1e15
+        np.testing.assert_allclose(together[name][today], expected, rtol=1e-15, atol=0, err_msg=name)
+        np.testing.assert_allclose([one_by_one[i][name][0] for i in today], expected, rtol=1e-15, atol=0)

@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.data.generate import GenerateConfig, generate
+from pipeline.data.schema import MAX_AMOUNT
 from pipeline.features.definitions import DAY_US, RING_DAYS
 from pipeline.features.record_checks import record_fault, record_faults
-from pipeline.features.state import ACCOUNT_STATE, MAX_AMOUNT, TERMINAL_STATE
+from pipeline.features.state import ACCOUNT_STATE, TERMINAL_STATE
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, LabelBatch, replay_batches
 
