@@ -33,14 +33,8 @@ from mlflow.types.schema import ColSpec, Schema
 import models
 import pipeline
 from models.contract import RecurrentDetector
-from pipeline.data.schema import (
-    AMOUNT_RANGE,
-    LABEL_COLUMNS,
-    OPTIONAL_COLUMNS,
-    REQUIRED_COLUMNS,
-    amount_outside,
-    conform,
-)
+from pipeline.data.rules import Rule, broken_rules, value_rules
+from pipeline.data.schema import LABEL_COLUMNS, OPTIONAL_COLUMNS, REQUIRED_COLUMNS, conform
 from pipeline.features import TERMINAL_BUCKET_COLUMN, compute_features
 from pipeline.registry.artifact import DEFAULT_THRESHOLD, MODEL_DIR_ARTIFACT, LoadedModel, load_model_dir
 from pipeline.registry.tracking import pinned_requirements
@@ -167,17 +161,23 @@ def _canonical(transactions: pl.DataFrame) -> pl.DataFrame:
         )
     # Timestamps without a zone are taken as UTC, the canonical zone.
     frame = conform(transactions.select(c for c in INPUT_COLUMNS if c in transactions.columns))
-    checks = [(pl.col(c).is_null(), c, "expected a value") for c in REQUIRED_COLUMNS]
-    checks.append((amount_outside(pl.col("amount")), "amount", f"expected {AMOUNT_RANGE}"))
-    checks.append((pl.col("event_id").is_duplicated(), "event_id", "repeated; expected unique event ids"))
-    for failed, column, expected in checks:
-        bad = frame.with_row_index("row").filter(failed)
-        if bad.height:
-            row = bad.row(0, named=True)
-            raise ValueError(
-                f"transactions row {row['row']} (event_id {row['event_id']!r}): {column} = {row[column]!r}: "
-                f"{expected} ({bad.height} row(s) like it)"
-            )
+    # The rules ingest and every dataset read hold rows to, which the service's decoder applies too: a row
+    # the service would dead-letter is not scored here either (an empty account id would merge histories).
+    repeated = pl.col("event_id").is_duplicated()
+    rules = [
+        *value_rules(frame.columns),
+        Rule("event_id", "repeated", "repeated", repeated, "unique event ids"),
+    ]
+    broken = broken_rules(frame, rules)
+    if broken:
+        first = min(broken, key=lambda b: b.first_row)
+        rule, row = first.rule, first.first_row
+        others = f"; and {len(broken) - 1} other rule(s) broken" if len(broken) > 1 else ""
+        raise ValueError(
+            f"transactions row {row} (event_id {first.first_event_id!r}): {rule.column} = "
+            f"{frame[rule.column][row]!r}: {rule.title}; expected {rule.expected} ({first.rows} row(s) like "
+            f"it){others}"
+        )
     return frame
 
 

@@ -89,12 +89,19 @@ def test_scores_equal_the_live_scorers_replay_for_every_detector(dataset, name):
     ("change", "message"),
     [
         (pl.when(pl.int_range(pl.len()) == 5).then(-3.0).otherwise("amount").alias("amount"),
-         "row 5 .*amount = -3.0: expected a finite amount in 0..1e\\+15"),
+         "row 5 .*amount = -3.0: negative amount; expected a finite amount in 0..1e\\+15"),
         (pl.when(pl.int_range(pl.len()) == 7).then(2e15).otherwise("amount").alias("amount"),
-         "row 7 .*amount = 2000000000000000.0: expected a finite amount in 0..1e\\+15"),
+         "row 7 .*amount = 2000000000000000.0: amount too large; expected a finite amount in 0..1e\\+15"),
         (pl.when(pl.int_range(pl.len()) == 3).then(None).otherwise(pl.col("ts")).alias("ts"), "row 3 .*ts = None"),
         (pl.when(pl.int_range(pl.len()) == 9).then(pl.lit("E000000000")).otherwise("event_id").alias("event_id"),
          "event_id = 'E000000000': repeated"),
+        # What the service's decoder refuses is refused here too: a row it would dead-letter scores nothing.
+        (pl.when(pl.int_range(pl.len()) == 4).then(pl.datetime(1960, 1, 1, time_zone="UTC")).otherwise("ts").alias("ts"),
+         "row 4 .*ts = .*1960.*timestamp out of range"),
+        (pl.when(pl.int_range(pl.len()) == 6).then(pl.lit("")).otherwise("account_id").alias("account_id"),
+         "row 6 .*account_id = '': empty id"),
+        (pl.when(pl.int_range(pl.len()) == 2).then(pl.lit("A\x00")).otherwise("terminal_id").alias("terminal_id"),
+         "row 2 .*terminal_id = 'A\\\\x00': id the service refuses"),
     ],
 )  # fmt: skip
 def test_bad_transactions_name_the_row_the_column_and_the_value(dataset, change, message):
