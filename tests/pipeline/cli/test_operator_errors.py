@@ -349,7 +349,7 @@ def test_a_sqlite_store_in_a_directory_not_yet_made_is_made_there_as_mlflow_does
     uri = f"sqlite:///{tmp_path}/stores/team/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     line = refused(capsys, ["promote", "--version", "1"], 2)
-    assert f"no registered model 'txsentinel' in {uri}" in line  # the store opened, empty
+    assert f"no registered model 'txsentinel' in the MLflow tracking store {uri}" in line  # opened, empty
     assert (tmp_path / "stores" / "team" / "mlflow.db").is_file()
 
 
