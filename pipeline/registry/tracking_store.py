@@ -11,11 +11,13 @@ import fcntl
 import functools
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import mlflow
 import requests
@@ -32,7 +34,8 @@ from mlflow.utils.uri import (
     is_http_uri,
     is_local_uri,
 )
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from pipeline.data.error_text import first_line
 from pipeline.data.output_paths import unwritable_file
@@ -48,6 +51,10 @@ SERVER_ANSWER_SECONDS = 10
 # unless MLFLOW_HTTP_REQUEST_MAX_RETRIES sets MLflow's own retries.
 BUSY_RETRY_WAITS_SECONDS = (1, 2)
 BUSY_STATUS = frozenset({429, 500, 502, 503, 504})
+# A database server's port where its URI names none. MLflow hands a database store to SQLAlchemy, which it retries
+# for about 100 s when the server does not take the connection: a server that is not there is found out first by
+# connecting to this port, given SERVER_ANSWER_SECONDS.
+DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 SEARCH_ONE_EXPERIMENT = "/api/2.0/mlflow/experiments/search"
 HTTP_CREDENTIALS = "MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD,"
 DATABRICKS_CREDENTIALS = "DATABRICKS_TOKEN (or the profile's token)"
@@ -142,11 +149,12 @@ def _open_store_once(setting: str, uri: str) -> str | None:
         return _open_sqlite_store(setting, uri)
     elif is_http_uri(uri):
         kind = "tracking server" if setting == TRACKING else "model registry server"
-        server = f"the MLflow {kind} at {uri} ({setting})"
+        server = f"the MLflow {kind} at {_without_password(uri)} ({setting})"
         _check_server_answers(server, setting, get_default_host_creds(uri), HTTP_CREDENTIALS)
     elif _is_file_store(uri):
         _open_file_store(setting, uri)
     else:  # another database, Unity Catalog, a plugin's scheme, or one MLflow does not know: MLflow says
+        _check_database_answers(setting, uri)
         _open_with_mlflow(setting, uri, list_one=False)
     return None
 
@@ -159,8 +167,21 @@ def _is_file_store(uri: str) -> bool:
 
 def _named(setting: str, uri: str) -> str:
     if setting in os.environ:
-        return f"{setting}={uri}"
+        return f"{setting}={_without_password(uri)}"
     return f"the default tracking store {uri} ({TRACKING} is unset)"
+
+
+def _without_password(uri: str) -> str:
+    """`uri` with the password it may hold (a database's, postgresql://user:PASSWORD@host/db) shown as ***: a
+    refusal is printed, and kept in job logs."""
+    try:
+        parts = urlsplit(uri)
+        if parts.password is None:
+            return uri
+    except ValueError:  # a URI urllib cannot read holds no password it can find
+        return uri
+    user, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user.partition(':')[0]}:***@{host}"))
 
 
 def _said(error: BaseException) -> str:
@@ -267,6 +288,30 @@ def _open_with_mlflow(setting: str, uri: str, list_one: bool) -> None:
         raise TrackingStoreError(
             f"{_named(setting, uri)}: MLflow cannot open this store: {_said(error)}. Point {setting} at an "
             "MLflow store (a sqlite:/// path, or a tracking server's http(s):// address)"
+        ) from error
+
+
+def _check_database_answers(setting: str, uri: str) -> None:
+    """A database server's URI (postgresql://, mysql://, mssql://): its host takes a connection to its port within
+    SERVER_ANSWER_SECONDS. Not there, MLflow would retry for about 100 s; the database itself is left to MLflow.
+    A URI SQLAlchemy cannot read, or one with no host (a local socket), is left to MLflow too."""
+    try:
+        url = make_url(uri)
+    except (ArgumentError, ValueError):
+        return
+    backend = url.get_backend_name()
+    if backend not in DATABASE_PORTS or not url.host:
+        return
+    where = (url.host, url.port or DATABASE_PORTS[backend])
+    try:
+        _within(SERVER_ANSWER_SECONDS, socket.create_connection, where, SERVER_ANSWER_SECONDS).close()
+    except OSError as error:  # refused, no such host, or no answer in time (TimeoutError)
+        said = error.strerror or str(error)
+        raise TrackingStoreError(
+            f"the {backend} server at {where[0]}:{where[1]} ({_named(setting, uri)}) refused or did not answer "
+            f"within {SERVER_ANSWER_SECONDS} s: {first_line(said)}. Check that it runs there and that {setting} "
+            "names it",
+            unavailable=True,
         ) from error
 
 

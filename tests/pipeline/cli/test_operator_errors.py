@@ -368,6 +368,25 @@ def test_a_tracking_server_that_does_not_answer_is_named_within_seconds(
     )
 
 
+@pytest.mark.parametrize("setting", ["MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"])
+def test_a_database_server_that_does_not_answer_is_named_within_seconds_and_its_password_is_not(
+    setting, unused_port, tmp_path, monkeypatch, capsys
+):
+    # No driver installed, the driver was named instead of the server that is not there; with one, SQLAlchemy
+    # retried it for about 100 s. The URI was printed with its password.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    uri = f"postgresql://fraud:s3cret@127.0.0.1:{unused_port}/mlflow"
+    monkeypatch.setenv(setting, uri)
+    started = time.monotonic()
+    line = refused(capsys, ["promote", "--version", "1"], 1)
+    assert time.monotonic() - started < 15
+    assert line == (
+        f"txsentinel promote: the postgresql server at 127.0.0.1:{unused_port} ({setting}="
+        f"{uri.replace('s3cret', '***')}) refused or did not answer within 10 s: Connection refused. Check that it "
+        f"runs there and that {setting} names it"
+    )
+
+
 @pytest.mark.parametrize(
     ("name", "complaint"),
     [
