@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pipeline.data.error_text import first_line
 from pipeline.data.output_paths import unwritable, unwritable_file
 
 EXIT_INPUT = 2
@@ -26,10 +27,6 @@ class OperatorError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_OUTSIDE):
         super().__init__(" ".join(message.split()))
         self.exit_code = exit_code
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
 
 
 def _notes(error: BaseException) -> str:
@@ -81,18 +78,22 @@ def tracking_errors() -> Iterator[None]:
 
 @contextmanager
 def model_errors(uri: str) -> Iterator[None]:
-    """MLflow failing to resolve `uri` becomes an OperatorError naming the URI and the tracking store."""
+    """MLflow failing to resolve `uri` becomes an OperatorError naming the URI and the store it was looked up in:
+    the model registry for a models:/ URI, the tracking store for a run's."""
     try:
         yield
     except Exception as error:
         exceptions = sys.modules.get("mlflow.exceptions")
         if exceptions is None or not isinstance(error, exceptions.MlflowException):
             raise
-        store = sys.modules["mlflow"].get_tracking_uri()
+        tracking = sys.modules["pipeline.registry.tracking_store"]  # loaded: load_model raised the error
+        store, setting = (
+            tracking.described_registry() if uri.startswith("models:/") else tracking.described_tracking()
+        )
         raise OperatorError(
-            f"model {uri!r} did not resolve in the MLflow tracking store {store}: {_first_line(error.message)}. "
-            "Check the name and version or alias (`mlflow ui` lists them), or point MLFLOW_TRACKING_URI at "
-            "the store the model was registered in"
+            f"model {uri!r} did not resolve in the MLflow {store}: {first_line(error.message)}. Check the name "
+            f"and version or alias (`mlflow ui` lists them), or point {setting} at the store the model was "
+            "registered in"
         ) from error
 
 
@@ -111,7 +112,7 @@ def kafka_errors(cfg: Any) -> Iterator[None]:
 
 def _kafka_line(error: Exception, errors: Any, cfg: Any) -> str:
     cluster = f"the Kafka cluster at {cfg.bootstrap_servers}"
-    said = f"{_first_line(str(error)) or type(error).__name__}{_notes(error)}"
+    said = f"{first_line(str(error)) or type(error).__name__}{_notes(error)}"
     protocol = cfg.kafka_security_protocol or "PLAINTEXT"
     if isinstance(error, errors.KafkaTimeoutError | errors.KafkaConnectionError):
         return (

@@ -147,7 +147,13 @@ def _compare(args: argparse.Namespace) -> int:
     from pipeline.evaluation.compare import compare
 
     check_output(args.out, "--out")
-    compare(experiment=args.experiment, metric=args.metric, out=args.out, data=args.data)
+    compare(
+        experiment=args.experiment,
+        metric=args.metric,
+        out=args.out,
+        data=args.data,
+        log_to_mlflow=not args.no_mlflow,
+    )
     return 0
 
 

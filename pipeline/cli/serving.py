@@ -94,14 +94,19 @@ def add_live_compare_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--since", default="7d", help="with --live: how far back, e.g. 7d or 12h (default 7d)")
     p.add_argument("--k", type=int, default=100, help="with --live: CP@k's k (default 100)")
-    p.add_argument("--no-mlflow", action="store_true", help="with --live: do not log the table to MLflow")
+    p.add_argument(
+        "--no-mlflow",
+        action="store_true",
+        help="do not log the comparison to MLflow (from a store this user can only read it is not logged either: "
+        "a line says so)",
+    )
     add_serve_settings(p)
 
 
 def run_live_compare(args: argparse.Namespace) -> int:
     cfg, _ = serve_config(args)
     from pipeline.evaluation.live_compare import LiveCompareConfig, format_table, live_compare
-    from pipeline.registry.tracking import configure_tracking
+    from pipeline.registry.tracking_store import unwritable_tracking
 
     since = args.since.strip()
     units = {"d": 1.0, "h": 1 / 24}
@@ -109,10 +114,12 @@ def run_live_compare(args: argparse.Namespace) -> int:
         days = float(since[:-1]) * units[since[-1:]]
     except (KeyError, ValueError):
         raise ValueError(f"--since {since!r}: expected a number of days or hours, e.g. 7d or 12h") from None
-    config = LiveCompareConfig(since_days=days, k=args.k, log_to_mlflow=not args.no_mlflow)
-    if config.log_to_mlflow:  # a store it cannot log to is refused before the topics are read
-        configure_tracking()
+    # A store it cannot use is refused before the topics are read; one this user can only read is not logged to.
+    read_only = unwritable_tracking() if not args.no_mlflow else None
+    config = LiveCompareConfig(since_days=days, k=args.k, log_to_mlflow=not (args.no_mlflow or read_only))
     with kafka_errors(cfg):
         table = live_compare(cfg, cfg.bootstrap_servers, config)
     print(format_table(table))
+    if read_only:
+        print(f"the comparison was not logged to MLflow: {read_only}")
     return 0

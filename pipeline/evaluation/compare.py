@@ -7,7 +7,9 @@ pipeline.evaluation.backtest with folds > 1), the quality columns show that mean
 training test period, and `evaluated` says so: several folds are the better estimate.
 
 The plots (PR curves overlaid, CP@100 per test day, AP against state size) are written to `out` and logged to
-a new run named "comparison" in the same experiment, so the MLflow UI shows them beside the runs.
+a new run named "comparison" in the same experiment, so the MLflow UI shows them beside the runs. A store this
+user can only read (a read-only copy of a team's store) is compared all the same: the table is printed, the
+plots written to `out`, and a line says why nothing was logged.
 """
 
 import logging
@@ -26,7 +28,7 @@ from pipeline.data.splits import Period, dataset_days
 from pipeline.evaluation.plots import SCORES_ARTIFACT
 from pipeline.evaluation.protocol import budget_curve, card_precision_at_k
 from pipeline.evaluation.report_plots import line_plot, scatter_plot
-from pipeline.registry.tracking import configure_tracking
+from pipeline.registry.tracking_store import unwritable_tracking
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +86,22 @@ def _row(run) -> dict[str, Any]:
 
 
 def compare(
-    experiment: str = "txsentinel", metric: str = "test/ap", out: Path | None = None, data: Path | None = None
+    experiment: str = "txsentinel",
+    metric: str = "test/ap",
+    out: Path | None = None,
+    data: Path | None = None,
+    log_to_mlflow: bool = True,
 ) -> pl.DataFrame:
     """The comparison table, best first by the run metric `metric` (smallest first for costs).
 
     data: the dataset the runs were tested on; with it, CP@100 per day leaves out accounts whose fraud was
     already known (the Handbook protocol). Without it the per-day plot drops only already-caught accounts.
+    log_to_mlflow: log the table and plots as a run, unless the store is one this user can only read.
     """
     if data is not None:  # before the store is read and the table printed: the plots come last
         require_labels(data, "compare --data reads which frauds were known when")
-    configure_tracking()
+    read_only = unwritable_tracking()  # opens the store, which the runs are read from
+    logs = log_to_mlflow and read_only is None
     client = MlflowClient()
     runs = _model_runs(client, experiment)
     if not runs:
@@ -112,11 +120,17 @@ def compare(
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=220, fmt_str_lengths=40):
         print(display_table(table))
 
+    if log_to_mlflow and read_only:
+        print(f"the comparison was not logged to MLflow: {read_only}")
+    if out is None and not logs:
+        return table
     with tempfile.TemporaryDirectory() as tmp:
         where = out if out is not None else Path(tmp)
         files = write_plots(table, client, where, data)
         table.write_csv(where / "comparison.csv")
         files.append(where / "comparison.csv")
+        if not logs:
+            return table
         with mlflow.start_run(
             experiment_id=mlflow.get_experiment_by_name(experiment).experiment_id,
             run_name="comparison",

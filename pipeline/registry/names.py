@@ -10,6 +10,8 @@ does not wait seconds for MLflow when it is only read.
 import posixpath
 from collections.abc import Callable
 
+from pipeline.data.error_text import first_line
+
 MAX_EXPERIMENT_NAME_CHARS = 500  # MLflow's MAX_EXPERIMENT_NAME_LENGTH
 
 
@@ -36,7 +38,7 @@ def _mlflow_refusal(check_name: str, rule: Callable[[str], str | None], name: st
     try:
         check(name)
     except MlflowException as error:
-        return error.message.splitlines()[0].strip().rstrip(".")
+        return first_line(error.message)
     return None
 
 

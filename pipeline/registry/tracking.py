@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.registry.artifact import LoadedModel, load_model_dir
 from pipeline.registry.names import registered_name_problem
-from pipeline.registry.tracking_store import configure_tracking
+from pipeline.registry.tracking_store import configure_registry, configure_tracking, described_registry
 
 
 def _find_model_dir(root: Path, uri: str) -> Path:
@@ -44,7 +44,9 @@ def load_model(uri: str) -> LoadedModel:
     if not uri.startswith(("models:/", "runs:/")):
         raise FileNotFoundError(f"model {uri!r}: not a local directory, nor a models:/ or runs:/ URI")
     configure_tracking(writes=False)
-    registered = registered_version(uri)  # an alias is resolved once: what is downloaded is what it named
+    registered = registered_version(
+        uri
+    )  # opens the registry too  # an alias is resolved once: what is downloaded is what it named
     pinned = uri if registered is None else f"models:/{registered[0]}/{registered[1]}"
     downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=pinned))
     model = load_model_dir(_find_model_dir(downloaded, uri), source=uri)
@@ -59,13 +61,13 @@ def registered_version(uri: str) -> tuple[str, str] | None:
     names now; None for any other URI."""
     if not uri.startswith("models:/"):
         return None
+    configure_registry(writes=False)  # where a models:/ URI resolves, however it names the version
     name, _, version = uri.removeprefix("models:/").partition("/")
     if version:
         return name, version
     name, _, alias = name.partition("@")
     if not alias:
         return None  # models:/NAME names no version
-    configure_tracking(writes=False)
     return name, str(MlflowClient().get_model_version_by_alias(name, alias).version)
 
 
@@ -122,14 +124,15 @@ def promote(alias: str, registered_name: str, run_id: str | None = None, version
         raise ValueError(f"--alias {alias!r}: {alias_problem}")
     if name_problem := registered_name_problem(registered_name):
         raise ValueError(f"--model-name {registered_name!r}: {name_problem}")
-    configure_tracking()
+    configure_registry()  # the alias is written there; the tracking store is only read, for the runs' figures
     client = MlflowClient()
     # Every registered version of the model, by run (the name was checked to hold no quote).
     runs = {int(v.version): v.run_id for v in client.search_model_versions(f"name='{registered_name}'")}
     if not runs:
+        registry, setting = described_registry()
         raise ValueError(
-            f"no registered model {registered_name!r} in {mlflow.get_tracking_uri()}: train one first "
-            "(`txsentinel train`), or set MLFLOW_TRACKING_URI to the store that has it"
+            f"no registered model {registered_name!r} in the MLflow {registry}: train one first "
+            f"(`txsentinel train`), or set {setting} to the store that has it"
         )
     if run_id is not None:
         registered = [number for number, run in runs.items() if run == run_id]

@@ -32,7 +32,7 @@ from pipeline.evaluation.protocol import no_fraud_to_test, undefined_note
 from pipeline.features.drift_reference import fit_reference
 from pipeline.registry.artifact import save_model_dir
 from pipeline.registry.pyfunc_model import log_and_register
-from pipeline.registry.tracking import configure_tracking, log_params
+from pipeline.registry.tracking import configure_registry, configure_tracking, log_params
 from pipeline.training.baselines import BASELINES, train_baseline
 from pipeline.training.config import TEST_PERIOD_SETTINGS, TrainConfig, TrainResult, flatten
 from pipeline.training.datamodule import HistoryDataModule, Window
@@ -177,6 +177,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {sorted(REGISTRY) + sorted(BASELINES)}")
     _check_devices(cfg)
     configure_tracking()  # the store opens before the data is read: one it cannot use fails now, not at the end
+    configure_registry()  # and the registry the model is registered in, where MLFLOW_REGISTRY_URI keeps it apart
     require_labels(cfg.data, f"{cfg.model} is trained and tested on known fraud")
     started = time.perf_counter()
     pl_lightning.seed_everything(cfg.seed, workers=True, verbose=False)

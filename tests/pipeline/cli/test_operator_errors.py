@@ -349,7 +349,7 @@ def test_a_sqlite_store_in_a_directory_not_yet_made_is_made_there_as_mlflow_does
     uri = f"sqlite:///{tmp_path}/stores/team/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     line = refused(capsys, ["promote", "--version", "1"], 2)
-    assert f"no registered model 'txsentinel' in {uri}" in line  # the store opened, empty
+    assert f"no registered model 'txsentinel' in the MLflow tracking store {uri}" in line  # opened, empty
     assert (tmp_path / "stores" / "team" / "mlflow.db").is_file()
 
 
@@ -365,6 +365,25 @@ def test_a_tracking_server_that_does_not_answer_is_named_within_seconds(
     assert f"the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI) refused or did not answer" in line
     assert "Connection refused" in line and line.endswith(
         "Check that it runs there and that MLFLOW_TRACKING_URI names it"
+    )
+
+
+@pytest.mark.parametrize("setting", ["MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"])
+def test_a_database_server_that_does_not_answer_is_named_within_seconds_and_its_password_is_not(
+    setting, unused_port, tmp_path, monkeypatch, capsys
+):
+    # No driver installed, the driver was named instead of the server that is not there; with one, SQLAlchemy
+    # retried it for about 100 s. The URI was printed with its password.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    uri = f"postgresql://fraud:s3cret@127.0.0.1:{unused_port}/mlflow"
+    monkeypatch.setenv(setting, uri)
+    started = time.monotonic()
+    line = refused(capsys, ["promote", "--version", "1"], 1)
+    assert time.monotonic() - started < 15
+    assert line == (
+        f"txsentinel promote: the postgresql server at 127.0.0.1:{unused_port} ({setting}="
+        f"{uri.replace('s3cret', '***')}) refused or did not answer within 10 s: Connection refused. Check that it "
+        f"runs there and that {setting} names it"
     )
 
 

@@ -1,5 +1,7 @@
 """The comparison: two tiny trained models (a sequence detector and a baseline) in one MLflow store."""
 
+from pathlib import Path
+
 import mlflow
 import polars as pl
 import pytest
@@ -9,7 +11,7 @@ from pipeline.evaluation.backtest import BacktestConfig, backtest
 from pipeline.evaluation.compare import compare, display_table
 from pipeline.training.config import load_train_config
 from pipeline.training.train import train
-from tests.pipeline.workspaces import busy_dataset, use_fresh_store
+from tests.pipeline.workspaces import busy_dataset, run_read_only, use_fresh_store
 
 PLOTS = (
     "pr_curves.png",
@@ -130,3 +132,65 @@ def test_a_dataset_to_plot_with_that_is_not_there_is_refused_before_the_store_is
     printed = capsys.readouterr()
     assert printed.out == "" and not (tmp_path / "out").exists()
     assert printed.err.startswith(f"txsentinel compare: {tmp_path / 'nodata'} is not a dataset directory")
+
+
+COMPARE_TWO_WAYS = """
+from pipeline.cli.main import main
+print("exit", main(["compare", "--out", "{out}"]), flush=True)
+print("exit", main(["compare", "--no-mlflow"]), flush=True)
+"""
+
+
+@pytest.fixture
+def read_only_store(tmp_path, monkeypatch) -> Path:
+    """A real store holding one model run, in `tmp_path`/store, which the test's processes are to only read;
+    the test runs from `tmp_path`."""
+    store = tmp_path / "store"
+    store.mkdir()
+    use_fresh_store(monkeypatch, store)
+    mlflow.set_experiment("txsentinel")
+    with mlflow.start_run(tags={"model_family": "baseline", "detector": "logreg"}):
+        mlflow.log_metric("test/ap", 0.5)
+    (store / "mlflow.db.lock").unlink()  # the lock file of whoever made the store is not there to reuse
+    monkeypatch.chdir(tmp_path)
+    return store
+
+
+def test_a_store_this_user_can_only_read_is_compared_and_a_line_after_the_table_says_why_it_was_not_logged(
+    read_only_store, tmp_path
+):
+    # A read-only copy of a team's store was refused, as a store compare cannot use is, for the run it logs.
+    store = read_only_store
+    done = run_read_only(store, COMPARE_TWO_WAYS.format(out=tmp_path / "out"))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    printed = done.stdout.split("\n")
+    table_end = printed.index(next(line for line in printed if line.startswith("└")))
+    why = printed[table_end + 1]
+    assert why.startswith(
+        f"the comparison was not logged to MLflow: MLFLOW_TRACKING_URI=sqlite:///{store}/mlflow.db: "
+        f"cannot create {store}/mlflow.db.lock ("
+    )
+    assert why.endswith("), so this user can only read it")
+    assert {p.name for p in (tmp_path / "out").iterdir()} == set(PLOTS)  # the plots, where --out asked
+    # --no-mlflow: nothing to log, so nothing to say
+    assert [line for line in printed if line.startswith(("exit", "the comparison"))] == [
+        why,
+        "exit 0",
+        "exit 0",
+    ]
+    runs = mlflow.search_runs(experiment_names=["txsentinel"], output_format="list")
+    assert [run.data.tags.get("run_type") for run in runs] == [None]  # the model run only
+
+
+COMPARE_LIVE = """
+from pipeline.cli.main import main
+main(["compare", "--live", "--bootstrap-servers", "127.0.0.1:1"])
+"""
+
+
+@pytest.mark.slow
+def test_a_store_this_user_can_only_read_is_no_reason_to_refuse_a_live_comparison(read_only_store):
+    # Nothing listens at the broker's address: the live comparison goes on past the store to find that out.
+    done = run_read_only(read_only_store, COMPARE_LIVE)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("txsentinel compare: no answer from the Kafka cluster at 127.0.0.1:1"), last

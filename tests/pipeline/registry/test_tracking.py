@@ -1,16 +1,13 @@
-"""The tracking store as several jobs meet it: opened by processes that start together; names and servers it
-refuses."""
+"""The tracking store and the model registry as several jobs meet them: opened by processes that start together;
+a registry kept apart from the runs; names and servers they refuse."""
 
 import http.server
 import os
-import shlex
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import ClassVar
 
 import mlflow
@@ -25,7 +22,14 @@ from pipeline.registry import tracking_store
 from pipeline.registry.artifact import save_model_dir
 from pipeline.registry.names import experiment_name_problem, registered_name_problem
 from pipeline.registry.tracking import load_model
-from pipeline.registry.tracking_store import TrackingStoreError, configure_tracking
+from pipeline.registry.tracking_store import (
+    REGISTRY,
+    TRACKING,
+    TrackingStoreError,
+    configure_registry,
+    configure_tracking,
+)
+from tests.pipeline.workspaces import run_read_only
 
 OPEN_STORE = """
 from pipeline.registry.tracking import configure_tracking
@@ -49,10 +53,10 @@ def test_jobs_that_open_a_new_sqlite_store_together_all_succeed_and_leave_it_usa
 
 
 def store_holding_one_version(directory, monkeypatch) -> tuple[MlflowClient, str]:
-    """A real SQLite store in `directory`, made the tracking store, holding version 1 of model "held": its
-    client, and the run the version came from."""
+    """A real SQLite store in `directory`, made the tracking store, holding version 1 of model "held" (in the
+    registry MLFLOW_REGISTRY_URI names, where set): its client, and the run the version came from."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{directory / 'mlflow.db'}")
-    configure_tracking()
+    configure_registry()  # and the tracking store
     client = MlflowClient()
     with mlflow.start_run() as run:
         mlflow.log_metric("test/ap", 0.5)
@@ -75,7 +79,9 @@ def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, m
     assert "run 'f00' registered no version of model 'held'" in refusal(
         "--model-name", "held", "--run", "f00"
     )
-    assert "no registered model 'other' in sqlite:///" in refusal("--model-name", "other", "--version", "1")
+    assert "no registered model 'other' in the MLflow tracking store sqlite:///" in refusal(
+        "--model-name", "other", "--version", "1"
+    )
     assert "holds no quote" in refusal("--model-name", "x' or name='held", "--version", "1")
     for alias, complaint in (
         ("bad/alias", "letters, digits, '_' or '-'"),
@@ -95,49 +101,107 @@ def test_promoting_what_the_store_does_not_hold_is_refused_naming_it(tmp_path, m
 READ_THEN_WRITE = """
 import os
 from pipeline.registry.tracking import registered_version
-from pipeline.registry.tracking_store import TrackingStoreError, configure_tracking
+from pipeline.registry.tracking_store import TrackingStoreError, configure_registry
 print(registered_version("models:/held@champion"))
-for uri in (os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_TRACKING_URI"].replace("mlflow.db", "new.db")):
-    os.environ["MLFLOW_TRACKING_URI"] = uri
+setting = "MLFLOW_REGISTRY_URI" if "MLFLOW_REGISTRY_URI" in os.environ else "MLFLOW_TRACKING_URI"
+for uri in (os.environ[setting], os.environ[setting].replace("mlflow.db", "new.db")):
+    os.environ[setting] = uri
     try:
-        configure_tracking()
+        configure_registry()  # as promote and train do
     except TrackingStoreError as error:
         print(error)
 """
 
 
-def run_read_only(directory: Path, code: str) -> subprocess.CompletedProcess:
-    """Runs Python `code` in a process that cannot write in `directory`: chmod for a user; for root, whom
-    permission bits do not stop, a read-only bind mount in a mount namespace of its own."""
-    python = [sys.executable, "-c", code]
-    if os.geteuid() != 0:
-        directory.chmod(0o555)
-        try:
-            return subprocess.run(python, capture_output=True, text=True, timeout=300)
-        finally:
-            directory.chmod(0o755)
-    where = shlex.quote(str(directory))
-    mount = f"mount --bind {where} {where} && mount -o remount,ro,bind {where} {where}"
-    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "sh", "-c", mount]).returncode != 0:
-        pytest.skip("root is refused a write only on a read-only mount, and this machine lets it make none")
-    command = ["unshare", "-m", "sh", "-c", f'{mount} && exec "$@"', "sh", *python]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
-
-
-def test_a_sqlite_store_this_user_can_only_read_serves_models_but_takes_no_writes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting", [TRACKING, REGISTRY])
+def test_a_sqlite_store_this_user_can_only_read_serves_models_but_takes_no_writes(
+    setting, tmp_path, monkeypatch
+):
     # The lock file beside the store could not be made: the store was refused to commands that only read it.
+    # A registry kept apart (MLFLOW_REGISTRY_URI) was not opened up front at all.
     store = tmp_path / "store"
-    client, _ = store_holding_one_version(store, monkeypatch)
+    if setting == REGISTRY:
+        monkeypatch.setenv(REGISTRY, f"sqlite:///{store / 'mlflow.db'}")
+    client, _ = store_holding_one_version(store if setting == TRACKING else tmp_path / "runs", monkeypatch)
     client.set_registered_model_alias("held", "champion", "1")
     (store / "mlflow.db.lock").unlink()  # the lock file of whoever made the store is not there to reuse
     done = run_read_only(store, READ_THEN_WRITE)
     assert done.returncode == 0, done.stderr[-2000:]
     found, writes, new = done.stdout.strip().splitlines()
     assert found == "('held', '1')"
-    assert f"{store}/mlflow.db.lock (" in writes and writes.endswith(
-        "and this command writes to the store; point MLFLOW_TRACKING_URI at a store this user can write"
+    assert writes.startswith(f"{setting}=sqlite:///{store}/mlflow.db: cannot create {store}/mlflow.db.lock (")
+    assert writes.endswith(
+        f"and this command writes to the store; point {setting} at a store this user can write"
     )
     assert f"cannot create {store}/new.db.lock (" in new and new.endswith("directory this user can write")
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["registry in the tracking store", "registry apart"])
+def test_promote_moves_the_alias_in_the_registry_and_a_model_it_lacks_is_named_in_one_sentence(
+    apart, tmp_path, monkeypatch, capsys
+):
+    # A model that did not resolve was said to be missing from the tracking store, whichever store was asked,
+    # and MLflow's closing period was followed by the message's own: "not found.. Check".
+    tracking, registry = (f"sqlite:///{tmp_path / kind / 'mlflow.db'}" for kind in ("runs", "models"))
+    if apart:
+        monkeypatch.setenv(REGISTRY, registry)
+    _, run_id = store_holding_one_version(tmp_path / "runs", monkeypatch)
+    assert main(["serve", "--model", "models:/held@nope"]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    store, setting = (
+        (f"model registry {registry}", REGISTRY) if apart else (f"tracking store {tracking}", TRACKING)
+    )
+    assert line == (
+        f"txsentinel serve: model 'models:/held@nope' did not resolve in the MLflow {store}: Registered model "
+        "alias nope not found. Check the name and version or alias (`mlflow ui` lists them), or point "
+        f"{setting} at the store the model was registered in"
+    )
+    assert main(["promote", "--alias", "champion", "--model-name", "held", "--run", run_id]) == 0
+    held = MlflowClient(registry_uri=registry if apart else tracking)
+    assert int(held.get_model_version_by_alias("held", "champion").version) == 1
+    if apart:  # the runs' store holds no registered model
+        assert MlflowClient(registry_uri=tracking).search_registered_models() == []
+
+
+# Every command that uses the registry, each refused before it reads any data.
+REGISTRY_USERS = {
+    "train": ["train", "--data", "{never}", "--model", "lstm"],  # registers the model it trains
+    "promote": ["promote", "--alias", "champion", "--model-name", "held", "--version", "1"],
+    "serve": ["serve", "--model", "models:/held@champion"],
+    "backtest": ["backtest", "--data", "{never}", "--model", "models:/held/1", "--no-mlflow"],
+}
+
+
+@pytest.mark.parametrize("command", REGISTRY_USERS)
+def test_a_registry_that_cannot_be_used_is_named_in_one_line_by_every_command_that_uses_it(
+    command, unused_port, tmp_path, monkeypatch, capsys
+):
+    # MLFLOW_REGISTRY_URI was left to MLflow: a traceback, a "File exists", or minutes of retries.
+    monkeypatch.setenv(TRACKING, f"sqlite:///{tmp_path / 'mlflow.db'}")  # a tracking store that works
+    (tmp_path / "afile").write_text("keep me")
+    server = f"http://127.0.0.1:{unused_port}"
+    for registry, refusal, exit_code in (
+        (
+            f"sqlite:///{tmp_path}/afile/mlflow.db",
+            f"{REGISTRY}=sqlite:///{tmp_path}/afile/mlflow.db: {tmp_path}/afile is a file, so no store can be under it",
+            2,
+        ),
+        ("nosuch://registry", f"{REGISTRY}=nosuch://registry: MLflow cannot open this store: ", 2),
+        (
+            server,
+            f"the MLflow model registry server at {server} ({REGISTRY}) refused or did not answer within 10 s",
+            1,
+        ),
+    ):
+        monkeypatch.setenv(REGISTRY, registry)
+        argv = [arg.format(never=tmp_path / "never-read") for arg in REGISTRY_USERS[command]]
+        started = time.monotonic()
+        assert main(argv) == exit_code
+        assert time.monotonic() - started < 30
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1].startswith(f"txsentinel {command}: {refusal}")
+    assert (tmp_path / "afile").read_text() == "keep me"
 
 
 def test_a_directory_is_loaded_only_when_it_holds_exactly_one_model(tmp_path):
