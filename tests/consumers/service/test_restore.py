@@ -23,6 +23,7 @@ from consumers.scoring.messages import transactions_from_frame
 from consumers.scoring.scorer import Scorer
 from consumers.service.commit_pipeline import Committed, ScoredBatch
 from consumers.service.dormant import DormantStates
+from consumers.service.shadow import ShadowSide
 from consumers.service.state_restore import restore_partitions
 from models.registry import REGISTRY, build_detector
 from pipeline.data.generate import GenerateConfig, generate
@@ -387,3 +388,13 @@ def test_a_changelog_value_that_is_no_state_record_is_left_out_and_stops_nothing
     (left_out,) = target.restore_accounts(accounts, values)
     assert left_out[0] == accounts[1] and "not a txsentinel account state" in left_out[1]
     assert sorted(target.accounts_in_memory) == sorted(set(accounts) - {accounts[1]})
+
+
+def test_the_challengers_record_of_an_account_let_go_gets_its_tombstone_too():
+    side = ShadowSide.__new__(ShadowSide)  # only its changelog and places are used here
+    side.changelog, side.places = "cl.f00", DormantStates(1)
+    side.places.committed({"x": (1, 4), "y": (0, 2)})
+    tombstones = side.tombstones(["x", "never-shadowed"])
+    assert tombstones == [("cl.f00", "x", None, 1)]
+    side.committed(tombstones, [SimpleNamespace(value=SimpleNamespace(offset=9))])
+    assert side.places.where == {"y": (0, 2)}  # its place goes once the tombstone commits
