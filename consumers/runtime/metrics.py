@@ -68,6 +68,11 @@ METRICS = {
         "counter",
         "Dormant account states let go of from memory beyond max_states_in_memory.",
     ),
+    "txsentinel_accounts_let_go_total": (
+        "counter",
+        "Accounts let go past max_accounts_kept, the least recently written first, a changelog tombstone each: "
+        "their next events start again from the model's initial state.",
+    ),
     "txsentinel_states_reloaded_total": (
         "counter",
         "Dormant account states read back from the changelog when their account returned.",

@@ -130,6 +130,13 @@ class ServeConfig:
     # it: ~2.2 KB an account for the default LSTM, ~9.9 KB for the linear Transformer, ~67 KB for the softmax
     # Transformer's window), so memory holds min(max_states_in_memory, this // that) accounts.
     max_state_bytes_in_memory: int = 8 * 2**30
+    # Accounts an instance keeps in all, held in memory or dormant in the changelog (whose place costs ~190
+    # bytes with short ids, up to ~1.2 KB with the longest: ~1.8 GB at this default with short ids). Past
+    # it, the least recently written dormant accounts are let go, down to 90% of it, each deleted from the
+    # changelog with a tombstone in the batch's transaction: they start again from the initial state if they
+    # return. Logged, and counted (txsentinel_accounts_let_go_total; docs/operations.md, "Too many
+    # accounts"). At least twice the states memory holds; 0: no bound.
+    max_accounts_kept: int = 10_000_000
     restore_timeout_s: float = 300.0  # per assignment: reading the changelog partitions of new partitions
     threshold: float | None = None  # alert threshold on the probability; None: the model's own
     # The top inputs behind each alert, in its record (consumers/scoring/explain.py); 0: none

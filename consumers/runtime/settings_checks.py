@@ -44,6 +44,10 @@ def check_settings(cfg: Any) -> None:
         ("max_terminals_in_memory", 0),  # 0: no cap
         ("max_states_in_memory", 1),
         ("max_state_bytes_in_memory", 1),
+        (
+            "max_accounts_kept",
+            0,
+        ),  # 0: no bound; else at least twice the states memory holds (checked at start)
         ("max_message_bytes", 64),
         ("max_json_depth", 1),
         ("max_id_chars", 1),

@@ -15,7 +15,8 @@ has returned). In order:
 4. records: scores (and alerts, with their reasons: consumers/scoring/explain.py) to the input event's
    partition number, the batch's terminal delta (keyed by this instance's session,
    consumers/terminals/deltas.py), then the changed accounts' states to the changelog partition of the event
-   that changed them.
+   that changed them, and, past max_accounts_kept, a tombstone for each account let go
+   (consumers/service/dormant.py).
 
 The last resort: a batch that fails for a reason nobody foresaw is rewound by the service and read again
 `careful`ly: each event scored on its own under a checkpoint of its account and terminal
@@ -124,6 +125,7 @@ class BatchScorer:
                 self._score_alone(out, event)
         else:
             out.records += self._score(out, events)
+        self._let_accounts_go(out)
         self.let_terminals_go()  # what the feed and the batch brought past the cap goes before the next batch
         out.seconds = {"decode": decoded - started, "score": time.monotonic() - decoded}
         return out
@@ -254,6 +256,20 @@ class BatchScorer:
             self.shadow.bring_back(list(returning), lambda topic, wanted: self.read_states(wanted, topic))
             out.states_discarded += self.shadow.model.corrupt - corrupt_before
         out.reloaded = len(returning)
+
+    def _let_accounts_go(self, out: ScoredBatch) -> None:
+        """Past max_accounts_kept, the least recently written accounts out of memory go, a tombstone each
+        in this batch's transaction (and the challenger's too), so the changelog and a restore agree
+        (consumers/service/dormant.py). After scoring: every account of the batch is in memory then."""
+        gone = self.dormant.let_go(self.scorer.accounts_in_memory, out.seq)
+        if not gone:
+            return
+        out.records += [
+            (self.changelog, account, None, partition) for account, (partition, _) in gone.items()
+        ]
+        if self.shadow is not None:
+            out.records += self.shadow.tombstones(gone)
+        out.accounts_let_go = len(gone)
 
     def _dead_letter_record(self, record, error: MessageError) -> OutputRecord:
         return (self.dead_letter_topic, *dead_letter(record, error), None)

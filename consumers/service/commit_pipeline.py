@@ -78,6 +78,9 @@ class ScoredBatch:
     deltas_applied: int = 0  # other instances' terminal delta records folded in before the batch's events
     reloaded: int = 0  # dormant accounts' states read back from the changelog for this batch
     states_discarded: int = 0  # of those, records refused as corrupt: their accounts start from no history
+    accounts_let_go: int = (
+        0  # past max_accounts_kept: a changelog tombstone each (consumers/service/dormant.py)
+    )
     unknown_fields: int = 0  # input messages with fields of no known name, ignored (unknown_fields: ignore)
     created_ms: list[float] = field(default_factory=list)  # the scored events' produce times (latency)
     observed: list = field(

@@ -16,20 +16,65 @@ record, so the place stays valid. That is ~190 bytes an account against 1.6-9.3 
   redelivered events bring their last committed records back, and no other account is read again. For
   that, `ends` keeps where each changelog partition's known records end, so the records written after
   them (an abort whose commit did land after all) are found by reading only that tail.
+
+The accounts kept. Dormant accounts cost little each, but nothing else bounds their number: valid events
+each naming a new account id would grow `where` (and the changelog, and every restore) until the process
+is killed for memory. So past `max_accounts` accounts with a record (max_accounts_kept), a batch lets go
+of the least recently written ones out of memory, down to CAP_KEEP of it (a scan per tenth of the bound in
+new accounts, not one per batch), each with a tombstone in the batch's own transaction (let_go): the
+changelog deletes them too, and a restore, which reads the tombstones, agrees. They leave `where` at once,
+so no later batch reads them back; should the batch not commit, they are put back (put_back), as its
+tombstones never landed. An account let go that returns starts again from init_state, as a new one.
+`where` keeps the order its accounts' records were last written in (a restore: the order it read them), so
+its first entries are the least recently written.
 """
 
+import logging
+import math
+import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 Place = tuple[int, int]  # (changelog partition, offset)
 
+CAP_KEEP = 0.9  # past max_accounts, accounts are let go down to this share of it
+LET_GO_LOG_EVERY_S = 60.0  # the let-go warning, at most this often (the first at once)
+
+log = logging.getLogger(__name__)
+
+
+def changelog_places(records: Sequence, sent: Sequence, topic: str) -> dict[str, Place | None]:
+    """Where a committed batch's records to `topic` went: account -> (partition, offset), None for a
+    tombstone. `records` are (topic, key, value, partition), `sent` kafka-python's futures of them."""
+    return {
+        key: None if value is None else (partition, future.value.offset)
+        for (to, key, value, partition), future in zip(records, sent, strict=True)
+        if to == topic
+    }
+
 
 class DormantStates:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, max_accounts: int = 0):
+        """`capacity`: account states memory holds; `max_accounts`: max_accounts_kept, accounts with a record
+        kept in all (0: no bound), at least twice `capacity` so that a tenth of it is dormant to let go of."""
         if capacity < 1:
             raise ValueError(f"capacity = {capacity!r}: memory must hold at least one account state")
-        self.capacity = capacity
-        self.where: dict[str, Place] = {}  # account -> its latest committed state record
+        if max_accounts and max_accounts < 2 * capacity:
+            raise ValueError(
+                f"max_accounts_kept = {max_accounts}: expected 0 (no bound) or at least twice the {capacity} "
+                "account states memory holds (max_states_in_memory, max_state_bytes_in_memory), so that the "
+                "accounts let go past it are dormant ones; raise it, or lower max_states_in_memory"
+            )
+        self.capacity, self.max_accounts = capacity, max_accounts
+        self.keep = math.ceil(max_accounts * CAP_KEEP)
+        self.where: dict[str, Place] = {}  # account -> its latest committed state record, least recent first
+        self.letting_go: dict[
+            int, dict[str, Place]
+        ] = {}  # batch seq -> accounts it deletes, until it commits
+        self.let_go_total = self.unlogged = (
+            0  # accounts let go (committed) since the start, since the warning
+        )
+        self.logged_at = -math.inf  # time.monotonic() of the last warning
         self.recency: OrderedDict[str, int] = OrderedDict()  # account -> seq of the last batch it was in
         self.ends: dict[int, int] = {}  # changelog partition -> the offset after its last record known here
 
@@ -38,17 +83,72 @@ class DormantStates:
             self.recency[account] = seq
             self.recency.move_to_end(account)
 
-    def committed(self, places: Mapping[str, Place]) -> None:
+    def committed(self, places: Mapping[str, Place | None], seq: int | None = None) -> None:
         """Note a committed batch's state records (or a changelog tail's): account -> where it went,
-        None for a deleted account."""
+        None for a deleted account; `seq`: the batch's, whose accounts let go are gone for good now."""
+        where = self.where
         for account, place in places.items():
+            where.pop(account, None)  # re-inserted, it moves last: `where` keeps the order of writing
             if place is None:
-                self.where.pop(account, None)
                 continue
-            self.where[account] = place
+            where[account] = place
             partition, offset = place
             if offset >= self.ends.get(partition, 0):
                 self.ends[partition] = offset + 1
+        if seq is not None:
+            for done in [s for s in self.letting_go if s <= seq]:
+                del self.letting_go[done]
+
+    def let_go(self, in_memory: Collection[str], seq: int) -> dict[str, Place]:
+        """Past max_accounts, the least recently written accounts out of memory, down to `keep`: account ->
+        its record's place, for batch `seq` to write a tombstone each. Taken out of `where` now (module
+        docstring). Cheap when under the bound: a len."""
+        if not self.max_accounts or len(self.where) <= self.max_accounts:
+            return {}
+        excess = len(self.where) - self.keep
+        gone: dict[str, Place] = {}
+        for account, place in self.where.items():  # least recently written first
+            if account not in in_memory:  # held accounts are the recently active ones, and not dormant
+                gone[account] = place
+                if len(gone) == excess:
+                    break
+        for account in gone:
+            del self.where[account]
+        self.letting_go.setdefault(seq, {}).update(gone)
+        return gone
+
+    def put_back(self) -> set[int]:
+        """After an abort: the accounts the uncommitted batches were letting go are kept again (their
+        tombstones did not land, unless a commit landed after all: read the changelog tail of the
+        partitions returned, which holds them then)."""
+        back: dict[str, Place] = {}
+        for gone in self.letting_go.values():
+            back.update(gone)
+        self.letting_go.clear()
+        if back:  # first again, as the least recently written (a copy of `where`: aborts are rare)
+            self.where = {**back, **self.where}
+        return {partition for partition, _ in back.values()}
+
+    def count_let_go(self, accounts: int, now: float | None = None) -> None:
+        """Count the accounts a committed batch let go; a warning with the count at most every
+        LET_GO_LOG_EVERY_S: letting go is never silent."""
+        self.let_go_total += accounts
+        self.unlogged += accounts
+        if not self.unlogged:
+            return
+        now = time.monotonic() if now is None else now
+        if now - self.logged_at < LET_GO_LOG_EVERY_S:
+            return
+        self.logged_at = now
+        log.warning(
+            "accounts let go past the bound max_accounts_kept=%d let_go=%d since_start=%d kept=%d: the least "
+            "recently written, deleted from the changelog; their next events start again from the model's "
+            "initial state, as a new account's. Raise max_accounts_kept (~200 bytes an account, up to ~1.2 KB "
+            "with the longest ids) above the accounts of this instance's partitions, and look for what sends "
+            "so many new account ids (docs/operations.md, \"Too many accounts\")",
+            self.max_accounts, self.unlogged, self.let_go_total, len(self.where),
+        )  # fmt: skip
+        self.unlogged = 0
 
     def returning(self, accounts: Iterable[str], in_memory: Collection[str]) -> dict[str, Place]:
         """Those of `accounts` that are out of memory but have a record: read them back before scoring."""
@@ -84,5 +184,8 @@ class DormantStates:
         if not partitions:
             return
         self.where = {a: place for a, place in self.where.items() if place[0] not in partitions}
+        for gone in self.letting_go.values():
+            for account in [a for a, place in gone.items() if place[0] in partitions]:
+                del gone[account]
         for partition in partitions:
             self.ends.pop(partition, None)

@@ -40,6 +40,7 @@ from kafka.structs import TopicPartition
 
 from consumers.runtime.compacted import read_places
 from consumers.service.commit_pipeline import Committed
+from consumers.service.dormant import changelog_places
 from consumers.service.state_restore import restore_partitions
 
 log = logging.getLogger(__name__)
@@ -250,8 +251,11 @@ class Restore:
         self.dormant.forget(held)
         self.scorer.take_changed()
         leaving = set(revoked)
+        # The accounts the batches were letting go are kept again: their tombstones' partitions are read too
+        letting_go = self.dormant.put_back()
         kept = sorted({tp.partition for tp in batch} - leaving)
-        with_states = [p for p in kept if not self._beyond(p)]  # the others have no changelog partition
+        # the others have no changelog partition
+        with_states = [p for p in sorted(set(kept) | (letting_go - leaving)) if not self._beyond(p)]
         if with_states:  # records past those this instance knows of: an aborted commit that landed after all
             ends = {p: self.dormant.ends.get(p, 0) for p in with_states}
             places, read = read_places(self.restorer, self.changelog, ends, self.cfg.restore_timeout_s)
@@ -283,17 +287,15 @@ class Restore:
         self.consumer.partitions_for_topic(self.topic)
 
     def _let_dormant_go(self, committed: Committed) -> None:
-        """Note where the committed batch's state records went; evict what memory holds beyond capacity."""
+        """Note where the committed batch's state records went, and the accounts it let go (a tombstone
+        each); evict what memory holds beyond capacity."""
         out = committed.batch
-        self.dormant.committed(
-            {
-                key: (partition, future.value.offset)
-                for (topic, key, _, partition), future in zip(out.records, out.sent, strict=True)
-                if topic == self.changelog
-            }
-        )
+        self.dormant.committed(changelog_places(out.records, out.sent, self.changelog), out.seq)
         if self.shadow is not None:
             self.shadow.committed(out.records, out.sent)
+        self.dormant.count_let_go(out.accounts_let_go)
+        self.stats.accounts_let_go += out.accounts_let_go
+        self.metrics.inc("txsentinel_accounts_let_go_total", out.accounts_let_go)
         evicted = self.dormant.to_evict(self.scorer.accounts_in_memory, out.seq)
         for account in evicted:
             self.scorer.evict(account)  # its latest state is a committed record: it comes back exactly

@@ -22,7 +22,7 @@ current (ShadowModel.restore); the places of all of them are noted, as the champ
 """
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from kafka import KafkaAdminClient
@@ -33,7 +33,7 @@ from consumers.runtime.topics import COMPACTED_CONFIG, create_topic, partition_c
 from consumers.scoring.outputs import encode_scores
 from consumers.scoring.results import ScoreRecord
 from consumers.scoring.scorer import Scorer
-from consumers.service.dormant import DormantStates, Place
+from consumers.service.dormant import DormantStates, Place, changelog_places
 from consumers.service.state_restore import CHUNK_BYTES
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,11 @@ class ShadowSide:
             for account, state in zip(changed, self.scorer.shadow_states_bytes(changed), strict=True)
         ]
 
+    def tombstones(self, accounts: Iterable[str]) -> list:
+        """A tombstone for the challenger's record of each account the champion lets go that has one."""
+        where = self.places.where
+        return [(self.changelog, a, None, where[a][0]) for a in accounts if a in where]
+
     def restore(self, reader: Reader, partitions: list[int], timeout_s: float) -> tuple[int, int]:
         """Read the challenger's records of `partitions` (after the champion's restore): (kept, read)."""
         kept = read = 0
@@ -154,14 +159,8 @@ class ShadowSide:
             self.model.restore(list(values), list(values.values()), self.scorer.store)
 
     def committed(self, records: Sequence, sent: Sequence) -> None:
-        """Note where a committed batch's challenger records went."""
-        self.places.committed(
-            {
-                key: (partition, future.value.offset)
-                for (topic, key, _, partition), future in zip(records, sent, strict=True)
-                if topic == self.changelog
-            }
-        )
+        """Note where a committed batch's challenger records went (None: a tombstone)."""
+        self.places.committed(changelog_places(records, sent, self.changelog))
 
     def read_tail(self, reader: Reader, partitions: list[int], timeout_s: float) -> int:
         """After an abort: the records past those known here (a commit that landed after all)."""

@@ -68,8 +68,8 @@ def _restore(
         for key, record in chunk:
             recent.pop(key, None)
             latest.pop(key, None)  # a dict keeps its first insertion order: re-inserted, it moves last
+            where.pop(key, None)  # so does `where`: least recently written first (dormant.py)
             if record.value is None:
-                where.pop(key, None)
                 if key in scorer.store:
                     scorer.evict(key, discard_changes=True)  # deleted: its earlier record is void
                 continue

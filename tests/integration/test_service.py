@@ -188,12 +188,9 @@ def test_a_restarted_service_resumes_from_committed_offsets_and_changelog_state(
     assert_same_scores(by_event, uninterrupted_scores(model_dir, events))
 
 
-def test_dormant_accounts_leave_memory_and_come_back_exactly_across_a_restart(
-    kafka_bootstrap, service_cfg, frame, model_dir
-):
-    """Memory for 5 of the 20 accounts: the others wait in the changelog and are read back when they
-    return, during the run and after a restart, which loads only the 5 written last; no score changes."""
-    cfg = service_cfg(max_poll_records=10, max_states_in_memory=5)
+def _served_in_two_runs(kafka_bootstrap, cfg, frame, model_dir):
+    """(events, scores, first run's stats, second run's): the first half of `frame` served, the service
+    stopped, then the rest served by a new instance, on one partition."""
     events = transactions_from_frame(frame)
     messages = [(t.account_id, encode_transaction(t)) for t in events]
     create_topic(kafka_bootstrap, cfg.topic("transactions"), partitions=1)
@@ -202,11 +199,50 @@ def test_dormant_accounts_leave_memory_and_come_back_exactly_across_a_restart(
     _, first_stats = serve_until(cfg, model_dir, kafka_bootstrap, split)
     produce(kafka_bootstrap, cfg.topic("transactions"), messages[split:])
     scores, second_stats = serve_until(cfg, model_dir, kafka_bootstrap, len(events))
+    return events, scores, first_stats, second_stats
+
+
+def test_dormant_accounts_leave_memory_and_come_back_exactly_across_a_restart(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    """Memory for 5 of the 20 accounts: the others wait in the changelog and are read back when they
+    return, during the run and after a restart, which loads only the 5 written last; no score changes."""
+    cfg = service_cfg(max_poll_records=10, max_states_in_memory=5)
+    events, scores, first_stats, second_stats = _served_in_two_runs(kafka_bootstrap, cfg, frame, model_dir)
 
     assert_same_scores(assert_exactly_once(scores, events), uninterrupted_scores(model_dir, events))
     for stats in (first_stats, second_stats):
         assert stats.states_evicted > 0 and stats.states_reloaded > 0
     assert second_stats.restored_states == 5  # the rest of the 20 stayed dormant until they returned
+
+
+def test_accounts_past_max_accounts_kept_are_deleted_from_the_changelog_and_a_restart_agrees(
+    kafka_bootstrap, service_cfg, frame, model_dir
+):
+    """Memory for 2 accounts, 4 kept in all: the least recently written of the 20 are let go with a
+    tombstone each in their batch's transaction, across a restart. Exactly one score per event; the
+    changelog holds as many tombstones as the service counted, and its live accounts are bounded; the
+    accounts never let go score as in an uninterrupted run."""
+    cfg = service_cfg(max_poll_records=10, max_states_in_memory=2, max_accounts_kept=4)
+    events, scores, first_stats, second_stats = _served_in_two_runs(kafka_bootstrap, cfg, frame, model_dir)
+
+    by_event = assert_exactly_once(scores, events)
+    assert first_stats.accounts_let_go > 0 and second_stats.accounts_let_go > 0
+    live: dict[str, bytes] = {}
+    let_go, tombstones = set(), 0
+    for record in read_committed(kafka_bootstrap, cfg.topic("changelog")):
+        account = record.key.decode()
+        if record.value is None:
+            tombstones += 1
+            let_go.add(account)
+            live.pop(account, None)
+        else:
+            live[account] = record.value
+    assert tombstones == first_stats.accounts_let_go + second_stats.accounts_let_go
+    assert len(live) <= 4 + cfg.max_poll_records  # the bound, and one batch's new accounts past it
+    kept = [r for r in uninterrupted_scores(model_dir, events) if r.account_id not in let_go]
+    assert kept, "every account was let go: the bound is too low for this test to compare"
+    assert_same_scores(by_event, kept)
 
 
 def test_partitions_added_while_serving_go_to_dead_letter_and_the_others_are_served_on(

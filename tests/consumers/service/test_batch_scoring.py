@@ -389,3 +389,31 @@ def test_an_explainer_that_raises_costs_no_alert_and_no_dead_letter():
     assert [a["event_id"] for a in alerts] == [f"E{i}" for i in range(6)]
     assert not any("reasons" in a for a in alerts)
     assert scorer.stats.reasons_failed == 6
+
+
+def test_past_max_accounts_kept_a_batch_deletes_the_oldest_dormant_accounts_and_one_returning_starts_anew():
+    now = time.time_ns() // 1000
+    first = polled([(b"N1", tx_value("E1", "N1", now - 2 * HOUR_US))])
+    then = polled([(b"D0", tx_value("E2", "D0", now - HOUR_US))], offsets=[1])
+    batches = hostile_batch_scorer(tiny_scorer())
+    batches.dormant = DormantStates(capacity=2, max_accounts=4)
+    batches.dormant.restored({f"D{i}": (i % 2, i) for i in range(6)}, [], 0)  # dormant, oldest first
+
+    def read_states(wanted):
+        assert not {"D0", "D1"} & set(wanted), "an account let go is never read back"
+        return {}
+
+    batches.read_states = read_states
+    out = batches.score(first)
+    tombstones = [(topic, key, partition) for topic, key, value, partition in out.records if value is None]
+    cl = batches.changelog
+    assert (
+        tombstones == [(cl, "D0", 0), (cl, "D1", 1)] and out.accounts_let_go == 2
+    )  # 6 -> 4, in its transaction
+    back = batches.score(then)
+    reference = hostile_batch_scorer(tiny_scorer())  # the same events, D0 never seen
+    reference.score(first)
+    fresh = reference.score(then)
+    assert back.reloaded == 0 and [v for t, _, v, _ in back.records if t == "p-scores"] == [
+        v for t, _, v, _ in fresh.records if t == "p-scores"
+    ]  # scored as an account with no history

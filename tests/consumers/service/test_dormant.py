@@ -42,3 +42,52 @@ def test_a_partition_leaving_takes_its_accounts_places_and_recency_with_it():
 def test_a_capacity_below_one_is_refused():
     with pytest.raises(ValueError, match="at least one account state"):
         DormantStates(0)
+
+
+def test_past_the_bound_the_least_recently_written_dormant_accounts_go_down_to_nine_tenths():
+    dormant = DormantStates(capacity=2, max_accounts=10)
+    dormant.committed({f"a{i}": (i % 2, i) for i in range(10)})
+    assert dormant.let_go(in_memory=set(), seq=1) == {}  # at the bound: a len, nothing more
+    dormant.committed({"a0": (0, 10), "a10": (0, 11), "a11": (1, 12)})  # a0 written again: the most recent
+    gone = dormant.let_go(in_memory={"a1"}, seq=2)  # a1 is held in memory: the recently active stay
+    assert gone == {"a2": (0, 2), "a3": (1, 3), "a4": (0, 4)}  # 12 -> 9, the oldest written first
+    assert len(dormant.where) == 9 and not set(gone) & set(dormant.where)
+    assert dormant.returning(["a2"], in_memory=set()) == {}  # not read back: it starts again as new
+    assert dormant.let_go(in_memory=set(), seq=3) == {}
+
+
+def test_accounts_let_go_stay_gone_once_their_batch_commits_and_come_back_first_after_an_abort():
+    dormant = DormantStates(capacity=1, max_accounts=2)
+    dormant.committed({"x": (1, 4), "y": (0, 2), "z": (0, 3)})
+    assert dormant.let_go(set(), seq=1) == {"x": (1, 4)}
+    assert dormant.put_back() == {1} and list(dormant.where) == ["x", "y", "z"]  # still the oldest
+    assert dormant.let_go(set(), seq=2) == {"x": (1, 4)}
+    dormant.committed({"x": None, "w": (0, 5)}, seq=2)  # the batch's tombstone and state records
+    assert dormant.put_back() == set() and list(dormant.where) == ["y", "z", "w"]
+
+
+def test_a_partition_leaving_takes_the_accounts_it_was_letting_go_with_it():
+    dormant = DormantStates(capacity=1, max_accounts=2)
+    dormant.committed({"x": (1, 4), "y": (0, 2), "z": (0, 3)})
+    dormant.let_go(set(), seq=1)
+    dormant.drop_partitions({1})
+    assert dormant.put_back() == set() and "x" not in dormant.where
+
+
+def test_letting_go_is_counted_and_logged_in_aggregate_at_most_once_a_minute(caplog):
+    dormant = DormantStates(capacity=1, max_accounts=2)
+    with caplog.at_level("WARNING"):
+        dormant.count_let_go(0, now=0.0)
+        dormant.count_let_go(3, now=1.0)
+        dormant.count_let_go(4, now=30.0)
+        dormant.count_let_go(0, now=61.5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and dormant.let_go_total == 7
+    assert "max_accounts_kept=2 let_go=3 since_start=3" in lines[0]
+    assert "let_go=4 since_start=7" in lines[1] and "initial state" in lines[1]
+
+
+def test_a_bound_below_twice_what_memory_holds_is_refused():
+    with pytest.raises(ValueError, match=r"max_accounts_kept = 5: expected 0 .* at least twice the 3"):
+        DormantStates(3, max_accounts=5)
+    assert DormantStates(3, max_accounts=0).let_go(set(), seq=1) == {}  # 0: no bound

@@ -7,6 +7,7 @@ import dataclasses
 import re
 import struct
 from datetime import timedelta
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ from consumers.runtime.compacted import Reader
 from consumers.scoring.account_state import CorruptRecordError, decode_account_record
 from consumers.scoring.messages import transactions_from_frame
 from consumers.scoring.scorer import Scorer
+from consumers.service.commit_pipeline import Committed, ScoredBatch
 from consumers.service.dormant import DormantStates
+from consumers.service.shadow import ShadowSide
 from consumers.service.state_restore import restore_partitions
 from models.registry import REGISTRY, build_detector
 from pipeline.data.generate import GenerateConfig, generate
@@ -235,6 +238,9 @@ class _Scorer:
         self.store.update((a, v) for a, v in pairs if not v.startswith(b"bad"))
         return [(a, "corrupt") for a, v in pairs if v.startswith(b"bad")]
 
+    def evict(self, account, discard_changes=False):
+        del self.store[account]
+
 
 def test_a_changelog_restore_asks_for_the_end_offsets_once_and_reserves_and_reads_to_them():
     def record(partition, offset, key):
@@ -263,6 +269,52 @@ def test_an_account_whose_last_record_is_corrupt_is_neither_held_nor_noted_and_i
     done = restore_partitions(scorer, Reader(_Committed(logs), _Watermarks({tp: 4})), "cl", [0], 5.0, keep=10)
     assert done.corrupt == 1 and sorted(done.accounts) == ["b", "c"] and sorted(done.where) == ["b", "c"]
     assert "a" not in done.where  # never read back: its next event starts it again
+
+
+def test_a_restore_notes_its_accounts_least_recently_written_first_and_a_tombstone_deletes_one():
+    # The order the bound lets accounts go in (consumers/service/dormant.py); the tombstone is one it wrote.
+    def record(offset, key, value):
+        return ConsumerRecord("cl", 0, 0, offset, 0, 0, key.encode(), value, None, None, 2, 2, -1)
+
+    tp = TopicPartition("cl", 0)
+    values = [("a", b"va"), ("b", b"vb"), ("c", b"vc"), ("a", b"va2"), ("b", None)]
+    logs = {tp: [record(offset, key, value) for offset, (key, value) in enumerate(values)]}
+    scorer = _Scorer()
+    done = restore_partitions(scorer, Reader(_Committed(logs), _Watermarks({tp: 5})), "cl", [0], 5.0, keep=10)
+    assert list(done.where.items()) == [("c", (0, 2)), ("a", (0, 3))]
+    assert scorer.store == {"a": b"va2", "c": b"vc"}  # b deleted: its next event starts it as a new account
+
+
+def test_a_committed_batch_notes_its_tombstones_and_counts_the_accounts_it_let_go(caplog):
+    service, _ = make_service([], max_states_in_memory=1, max_accounts_kept=2)
+    service.dormant.committed({"x": (1, 4), "y": (0, 2), "z": (0, 3)})
+    gone = service.dormant.let_go(set(), seq=1)
+    cl = service.changelog
+    out = ScoredBatch({}, seq=1, accounts_let_go=len(gone))
+    out.records = [(cl, "x", None, 1), (cl, "w", b"state", 0), ("scores", "w", b"score", 0)]
+    out.sent = [SimpleNamespace(value=SimpleNamespace(offset=o)) for o in (5, 6, 7)]
+    with caplog.at_level("WARNING"):
+        service._let_dormant_go(Committed(out, 0.0, 0.0))
+    assert service.dormant.where == {"y": (0, 2), "z": (0, 3), "w": (0, 6)} and service.dormant.ends[1] == 5
+    assert service.dormant.put_back() == set()  # gone for good: its tombstone committed
+    assert service.stats.accounts_let_go == 1 == service.metrics.get("txsentinel_accounts_let_go_total")
+    assert "accounts let go past the bound max_accounts_kept=2 let_go=1" in caplog.text
+
+
+def test_a_rewind_keeps_the_accounts_its_batches_were_letting_go_and_reads_their_partitions_tail(monkeypatch):
+    service, _ = make_service([], max_states_in_memory=1, max_accounts_kept=2)
+    service.assigned = {0, 1}
+    tails = []
+    monkeypatch.setattr(
+        restore_module, "read_places", lambda r, t, starts, s: (tails.append(starts), ({}, 0))[1]
+    )
+    service._restore_terminals = lambda: None
+    service.dormant.committed({"x": (1, 4), "y": (0, 2), "z": (0, 3)})
+    assert service.dormant.let_go(set(), seq=1) == {"x": (1, 4)}
+    service._rewind({P0: [Key(b"a")]})
+    # x's tombstone may have landed after all: partition 1 is read past what is known, as 0 is
+    assert tails == [{0: 4, 1: 5}] and list(service.dormant.where) == ["x", "y", "z"]
+    assert service.to_seek == {0}
 
 
 def _features(**values):
@@ -336,3 +388,13 @@ def test_a_changelog_value_that_is_no_state_record_is_left_out_and_stops_nothing
     (left_out,) = target.restore_accounts(accounts, values)
     assert left_out[0] == accounts[1] and "not a txsentinel account state" in left_out[1]
     assert sorted(target.accounts_in_memory) == sorted(set(accounts) - {accounts[1]})
+
+
+def test_the_challengers_record_of_an_account_let_go_gets_its_tombstone_too():
+    side = ShadowSide.__new__(ShadowSide)  # only its changelog and places are used here
+    side.changelog, side.places = "cl.f00", DormantStates(1)
+    side.places.committed({"x": (1, 4), "y": (0, 2)})
+    tombstones = side.tombstones(["x", "never-shadowed"])
+    assert tombstones == [("cl.f00", "x", None, 1)]
+    side.committed(tombstones, [SimpleNamespace(value=SimpleNamespace(offset=9))])
+    assert side.places.where == {"y": (0, 2)}  # its place goes once the tombstone commits
