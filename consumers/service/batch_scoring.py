@@ -43,10 +43,17 @@ from consumers.service.commit_pipeline import OutputRecord, ScoredBatch
 from consumers.service.dormant import DormantStates
 from consumers.service.shadow import ShadowSide
 from consumers.terminals.deltas import encode_deltas
-from consumers.terminals.feed import FeedReader
+from consumers.terminals.feed import FeedReader, poll_records
 from consumers.terminals.idle import TerminalEviction
 
 log = logging.getLogger(__name__)
+
+# While polls of the feed come back full (a bulk import of labels, an instance that fell behind), a read goes
+# on for this long at most (and one poll more: feed.POLL_TERMINAL_EVENTS): a batch waits no longer for it,
+# and at the default terminal_feed_interval_ms (250) the feed takes at most ~40% of the instance's time
+# until it has caught up. Scoring keeps the rest: a feed that lags only leaves terminal counts behind for a
+# while, a batch that waits delays every score in it.
+FEED_READ_S = 0.1
 
 
 class _Event(NamedTuple):
@@ -78,6 +85,7 @@ class BatchScorer:
         self.seq = 0  # the last batch's
         self.feed_interval_s = cfg.terminal_feed_interval_ms / 1000
         self.feed_read_at = -math.inf  # time.monotonic() of the last read of the feed
+        feed.poll_records = poll_records(cfg.max_poll_records)  # a poll's fold fits FEED_READ_S, about
         # Refuses an idle time that would change features; caps what the scorer holds (max_terminals_in_memory).
         self.eviction = TerminalEviction(cfg.terminal_idle_days, cfg.max_terminals_in_memory, "scorer")
         self.model_version = model_version
@@ -281,15 +289,20 @@ class BatchScorer:
     def fold_feed(self) -> tuple[int, int]:
         """Fold in the labels and the other instances' deltas that have arrived, when `terminal_feed_interval_ms`
         has passed since the last read (the service also calls it when a poll brings nothing, so an idle
-        instance keeps up); (labels, deltas) folded."""
+        instance keeps up), poll after poll while they come back full, for FEED_READ_S at most; (labels,
+        deltas) folded."""
         now = time.monotonic()
         if now - self.feed_read_at < self.feed_interval_s:
             return 0, 0
         self.feed_read_at = now
-        got = self.feed.read(self.session)
-        got.fold_into(self.scorer.featurizer)
-        self.let_terminals_go(now)
-        return len(got.labels), len(got.deltas)
+        labels = deltas = 0
+        while True:
+            got = self.feed.read(self.session)
+            got.fold_into(self.scorer.featurizer)
+            self.let_terminals_go(now)
+            labels, deltas = labels + len(got.labels), deltas + len(got.deltas)
+            if not got.full or time.monotonic() - now >= FEED_READ_S:
+                return labels, deltas
 
     def let_terminals_go(self, now: float | None = None) -> None:
         """The idle terminals, every EVICT_EVERY_S, then those with the least history beyond

@@ -9,7 +9,9 @@ Two ways to read (FeedReader.read):
   do (consumers/runtime/compacted.py says why the high watermark);
 - otherwise one poll: whatever has arrived. The scorers read this way every `terminal_feed_interval_ms`, so
   a label or another instance's batch counts for the events scored after it arrives: there is no global
-  order to keep between a label, or another instance's events, and this instance's events.
+  order to keep between a label, or another instance's events, and this instance's events. A poll brings
+  at most `poll_records` records, sized by poll_records(); one that comes back full (FeedRead.full) says
+  more are waiting, and the table writer and BatchScorer.fold_feed read on.
 
 A label's time is judged the same way by every reader: the scorers and the table writer each read every
 label, so what one does with it must not depend on whose clock reads it.
@@ -66,6 +68,10 @@ log = logging.getLogger(__name__)
 # A label this far (plus max_ts_skew_s) after a reader's clock is refused rather than held: no clock the
 # broker takes records from is a day off.
 HOLD_AT_MOST_US = DAY_US
+# What one poll of the feed brings at most, in terminal events: a delta record holds one scored batch's
+# events (up to max_poll_records of them), a label one. Folding an event costs ~10-25 us, so one poll is
+# folded in well under a second: a reader that reads on while polls come back full looks up in time.
+POLL_TERMINAL_EVENTS = 10_000
 
 
 @dataclass
@@ -78,6 +84,7 @@ class FeedRead:
     # the records the labels and deltas came from, one each (None where a caller built the read by hand)
     label_records: list = field(default_factory=list)
     delta_records: list = field(default_factory=list)
+    full: bool = False  # the last poll brought as many records as a poll may: more are likely waiting
 
     def fold_into(self, featurizer: StreamingFeaturizer) -> None:
         """Apply the deltas and the labels to the featurizer's terminal state (the fold is order-free).
@@ -126,6 +133,11 @@ def _padded(records: list, n: int) -> list:
     return records if len(records) == n else [None] * n
 
 
+def poll_records(batch_records: int) -> int:
+    """Records one poll of the feed may bring, when a scored batch holds at most `batch_records` events."""
+    return max(1, POLL_TERMINAL_EVENTS // batch_records)
+
+
 class FeedReader:
     def __init__(
         self,
@@ -154,6 +166,7 @@ class FeedReader:
         # labels partitions paused at a label dated on a day to come: {partition: (its offset, its day)}
         self.held: dict[TopicPartition, tuple[int, int]] = {}
         self.unknown: UnknownFields | None = None  # counts labels with fields of no known name, when set
+        self.poll_records = 500  # records a poll brings at most (its readers set poll_records())
         self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
         self.label_tps = self._partitions(labels_topic)
         self.delta_tps = self._partitions(deltas_topic)
@@ -250,7 +263,7 @@ class FeedReader:
 
     def _poll(self, timeout_ms: int) -> dict:
         try:
-            return self.consumer.poll(timeout_ms=timeout_ms)
+            return self.consumer.poll(timeout_ms=timeout_ms, max_records=self.poll_records)
         except OffsetOutOfRangeError as error:
             lost = lost_positions(error, self.offsets.watermarks)
         what = describe_lost(lost)
@@ -274,6 +287,7 @@ class FeedReader:
         return {}
 
     def _take(self, batch: dict, session: bytes | None, out: FeedRead) -> None:
+        out.full = sum(len(records) for records in batch.values()) >= self.poll_records
         now_us = time.time_ns() // 1000  # the clock label_ts and the deltas' days are bounded by
         for tp in sorted(batch, key=lambda tp: (tp.topic, tp.partition)):
             if tp.topic == self.labels_topic:

@@ -10,7 +10,8 @@ so a writer that starts fences any older one, and only then reads the table: a z
 a table the new writer has read.
 
 A run: start the producer (init_transactions), read the table (consumers/terminal_table.read_table), seek
-the feed to its positions, then fold what arrives. Every `flush_s`, when something changed, ONE transaction
+the feed to its positions, then fold what arrives: a poll every READ_EVERY_S, and one after another while
+polls come back full (a backlog). Every `flush_s`, when something changed, ONE transaction
 writes the changed terminals, the labels and delta records that do not decode to `dead-letter` (the writer is
 the one reader that dead-letters them, so each goes there once however many instances read it), and the
 positions, last. The table is then
@@ -39,7 +40,7 @@ from consumers.runtime.signals import stop_on_signals
 from consumers.runtime.topics import ensure_topics
 from consumers.scoring.message_limits import MessageLimits
 from consumers.scoring.outputs import dead_letter
-from consumers.terminals.feed import FeedRead, FeedReader
+from consumers.terminals.feed import FeedRead, FeedReader, poll_records
 from consumers.terminals.idle import TerminalEviction
 from consumers.terminals.table import flush_records
 from pipeline.features.stream import StreamingFeaturizer
@@ -49,7 +50,9 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 2.0  # a failed run is started again after this pause
 # Between reads of the feed (at most terminal_table_flush_s). A read that finds records costs a fetch round
 # trip and a wake-up of the writer's threads; every scored batch writes a delta, so reading as records
-# arrive would wake them once a batch, on the scorers' core when the writer is embedded.
+# arrive would wake them once a batch, on the scorers' core when the writer is embedded. A read whose poll
+# came back full is followed by the next at once: a backlog (a bulk import of labels, a catch-up after an
+# outage) is read as fast as it folds, and the flush and stop are still looked at after every poll.
 READ_EVERY_S = 1.0
 DRAIN_TIMEOUT_S = 10.0  # on stop; what is not drained by then stays in the topics for the next writer
 # A flush sends its records in chunks and, between chunks, pauses PAUSE_PER_BUSY times as long as the chunk
@@ -151,6 +154,7 @@ class TerminalTableWriter:
                 lambda records: self.metrics.inc("txsentinel_feed_records_lost_total", records),
                 lambda: self.metrics.inc("txsentinel_labels_held_total", label="writer"), **security,
             )  # fmt: skip
+            feed.poll_records = poll_records(cfg.max_poll_records)
             featurizer = StreamingFeaturizer()
             left_out = feed.start_from_table(
                 featurizer, reader, cfg.topic("terminal_table"), row_limit=self.eviction.row_limit
@@ -164,6 +168,7 @@ class TerminalTableWriter:
             bad: list = []
             last_flush = time.monotonic()
             stopping = stop.is_set()
+            behind = False  # the last poll came back full: more is waiting
             while True:
                 self.probes.beat()
                 # Stopping: everything committed so far, this instance's last batch included, then a flush.
@@ -171,6 +176,7 @@ class TerminalTableWriter:
                 self._fold(featurizer, got, changed)
                 self._cap(featurizer, capped)  # at once, not at the flush: the fold may have brought a flood
                 bad += got.bad
+                behind = got.full
                 if stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s:
                     read_to = feed.positions()
                     evicted = self.eviction.evict(featurizer.terminals)
@@ -182,7 +188,7 @@ class TerminalTableWriter:
                     last_flush = time.monotonic()
                 if stopping:
                     return
-                stopping = stop.wait(min(READ_EVERY_S, cfg.terminal_table_flush_s))
+                stopping = stop.wait(0 if behind else min(READ_EVERY_S, cfg.terminal_table_flush_s))
         finally:
             for name, close in (
                 ("producer", lambda: producer.close(timeout=5)),

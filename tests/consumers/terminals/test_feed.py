@@ -41,11 +41,13 @@ class LogConsumer:
     def assign(self, tps):
         pass
 
-    def poll(self, timeout_ms=0):
+    def poll(self, timeout_ms=0, max_records=500):
         out = {}
         for tp, records in self.log.items():
-            if tp not in self.paused and self.at[tp] < len(records):
-                out[tp], self.at[tp] = records[self.at[tp] :], len(records)
+            room = max_records - sum(len(got) for got in out.values())
+            if room > 0 and tp not in self.paused and self.at[tp] < len(records):
+                out[tp] = records[self.at[tp] : self.at[tp] + room]
+                self.at[tp] += len(out[tp])
         return out
 
     def position(self, tp):

@@ -1,0 +1,167 @@
+"""A backlog in the feed (a bulk import of labels, a catch-up after an outage): the table writer reads it poll
+after poll; a scorer reads on for FEED_READ_S at most. The consumer and the producer are stand-ins (kafka-
+python's poll: at most max_records a call); the writer against the real broker:
+tests/integration/test_service_labels.py."""
+
+import threading
+import time
+from collections import namedtuple
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from kafka.structs import TopicPartition
+
+from consumers.runtime.metrics import Metrics
+from consumers.runtime.settings import load_serve_config
+from consumers.scoring.messages import Label, MessageLimits, encode_label
+from consumers.service import batch_scoring
+from consumers.service.batch_scoring import BatchScorer
+from consumers.terminals import writer as terminal_writer
+from consumers.terminals.feed import FeedRead, FeedReader, poll_records
+from consumers.terminals.writer import TerminalTableWriter
+from pipeline.features.stream import StreamingFeaturizer
+from pipeline.features.stream_batches import TerminalOp
+
+Record = namedtuple("Record", "topic partition offset key value timestamp")
+NOW_US = time.time_ns() // 1000
+
+
+class BacklogConsumer:
+    """The feed's consumer with `n` fraud labels waiting on labels partition 0, label i at terminal T{i}."""
+
+    def __init__(self, labels_topic: str, n: int):
+        self.labels = TopicPartition(labels_topic, 0)
+        sent_ms = NOW_US // 1000 - 3_600_000
+        self.records = [
+            Record(labels_topic, 0, i, b"A", encode_label(Label(f"E{i}", "A", f"T{i}", True, sent_ms * 1000)), sent_ms)
+            for i in range(n)
+        ]  # fmt: skip
+        self.at: dict[TopicPartition, int] = {}
+
+    def partitions_for_topic(self, topic):
+        return {0}
+
+    def assign(self, tps):
+        self.at = {tp: 0 for tp in tps}
+
+    def position(self, tp):
+        return self.at[tp]
+
+    def end_offsets(self, tps):
+        return {tp: len(self.records) if tp == self.labels else 0 for tp in tps}
+
+    def poll(self, timeout_ms=0, max_records=500):
+        start = self.at[self.labels]
+        got = self.records[start : start + max_records]
+        self.at[self.labels] = start + len(got)
+        return {self.labels: got} if got else {}
+
+    def close(self):
+        pass
+
+
+class ScriptedProducer:
+    def __init__(self, **settings):
+        self.transactions: list[list] = []
+
+    def init_transactions(self):
+        pass
+
+    def begin_transaction(self):
+        self.transactions.append([])
+
+    def send(self, topic, key, value, partition=None):
+        self.transactions[-1].append((topic, key, value))
+
+    def commit_transaction(self):
+        pass
+
+    def close(self, timeout=None):
+        pass
+
+
+def writer_over(monkeypatch, n: int) -> tuple[TerminalTableWriter, BacklogConsumer, ScriptedProducer]:
+    """A writer whose feed holds `n` labels and whose table is empty."""
+    cfg = load_serve_config(None, overrides={"topic_prefix": "p-", "group_id": "g"}, env={})
+    consumer, producer = BacklogConsumer(cfg.topic("labels"), n), ScriptedProducer()
+    monkeypatch.setattr(terminal_writer, "KafkaProducer", lambda **settings: producer)
+    offsets = SimpleNamespace(watermarks=consumer, close=lambda: None)
+    monkeypatch.setattr(terminal_writer.Reader, "connect", lambda *args, **settings: offsets)
+    monkeypatch.setattr(
+        FeedReader, "connect", lambda bootstrap, client_id, reader, labels, deltas, *args, **settings: FeedReader(
+            consumer, reader, labels, deltas, 10.0, MessageLimits()
+        ),
+    )  # fmt: skip
+    monkeypatch.setattr(FeedReader, "start_from_table", lambda self, *args, **kwargs: [])
+    return TerminalTableWriter(cfg, "unused:9092", Metrics()), consumer, producer
+
+
+def run_until_read(writer: TerminalTableWriter, consumer: BacklogConsumer, within_s: float) -> float:
+    """Run the writer until it has read the backlog (or `within_s` has passed), stop it; seconds taken."""
+    stop, failed = threading.Event(), []
+    thread = threading.Thread(target=lambda: _capture(failed, writer._run, stop))
+    started = time.monotonic()
+    thread.start()
+    while consumer.at[consumer.labels] < len(consumer.records) and time.monotonic() - started < within_s:
+        stop.wait(0.01)  # not time.sleep: a test may stand in for the writer's pauses
+    took = time.monotonic() - started
+    stop.set()
+    thread.join(30)
+    assert not failed, failed
+    return took
+
+
+def _capture(failed: list, run, *args) -> None:
+    try:
+        run(*args)
+    except Exception as error:
+        failed.append(error)
+
+
+def test_a_backlog_is_read_poll_after_poll_not_one_poll_a_second(monkeypatch):
+    # One poll each READ_EVERY_S read 500 records a second at most, whatever was waiting: 12 s for these.
+    writer, consumer, _ = writer_over(monkeypatch, 6_000)
+    took = run_until_read(writer, consumer, within_s=10.0)
+    read = consumer.at[consumer.labels]
+    print(f"read {read} labels in {took:.2f} s: {read / took:,.0f} a second")
+    assert read == 6_000 and took < 4.0, f"{read} labels in {took:.1f} s"
+
+
+# -- a scorer reads on while polls come back full, for FEED_READ_S at most ---------------------------------
+
+
+class BacklogFeed:
+    """Full reads of one delta each, `full` of them, then one that is not full."""
+
+    def __init__(self, full: int):
+        self.full, self.reads = full, 0
+
+    def read(self, session):
+        self.reads += 1
+        op = TerminalOp("events", [f"t{self.reads}"], np.array([20_000]))
+        return FeedRead(deltas=[op], full=self.reads <= self.full)
+
+
+def scorer_over(feed) -> BatchScorer:
+    cfg = load_serve_config(None, overrides={"terminal_feed_interval_ms": 250}, env={})
+    return BatchScorer(cfg, SimpleNamespace(featurizer=StreamingFeaturizer()), feed, "1", True, None, None)
+
+
+def test_a_scorer_reads_on_while_polls_come_back_full(monkeypatch):
+    feed = BacklogFeed(full=30)
+    batches = scorer_over(feed)
+    assert feed.poll_records == poll_records(500)
+    monkeypatch.setattr(batch_scoring.time, "monotonic", lambda: 100.0)  # no time passes
+    assert batches.fold_feed() == (0, 31) and feed.reads == 31
+    assert len(batches.scorer.featurizer.terminals) == 31
+
+
+@pytest.mark.parametrize("read_s", [1 / 64, 1 / 32])  # exact in binary: the clock sums them exactly
+def test_a_scorer_reads_a_backlog_for_feed_read_s_at_most_then_scores(monkeypatch, read_s):
+    feed = BacklogFeed(full=1_000)
+    batches = scorer_over(feed)
+    clock = iter(100.0 + read_s * i for i in range(1_000))
+    monkeypatch.setattr(batch_scoring.time, "monotonic", lambda: next(clock))
+    _, deltas = batches.fold_feed()
+    assert deltas == feed.reads == int(np.ceil(batch_scoring.FEED_READ_S / read_s))
