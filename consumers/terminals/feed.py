@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 HOLD_AT_MOST_US = DAY_US
 # What one poll of the feed brings at most, in terminal events: a delta record holds one scored batch's
 # events (up to max_poll_records of them), a label one. Folding an event costs ~10-25 us, so one poll is
-# folded in well under a second: a reader that reads on while polls come back full looks up in time.
+# folded in well under a second, and the table writer's flush after it stays bounded (writer.FLUSH_RECORDS).
 POLL_TERMINAL_EVENTS = 10_000
 
 

@@ -11,16 +11,19 @@ a table the new writer has read.
 
 A run: start the producer (init_transactions), read the table (consumers/terminal_table.read_table), seek
 the feed to its positions, then fold what arrives: a poll every READ_EVERY_S, and one after another while
-polls come back full (a backlog). Every `flush_s`, when something changed, ONE transaction
-writes the changed terminals, the labels and delta records that do not decode to `dead-letter` (the writer is
-the one reader that dead-letters them, so each goes there once however many instances read it), and the
-positions, last. The table is then
+polls come back full (a backlog). Every `flush_s` when something changed, or as soon as FLUSH_RECORDS
+terminals and dead letters wait, ONE transaction writes the changed terminals, the labels and delta records
+that do not decode to `dead-letter` (the writer is the one reader that dead-letters them, so each goes there
+once however many instances read it), and the positions, last. The table is then
 exactly the fold of everything before its positions, less the terminals let go: every EVICT_EVERY_S a
 flush also deletes the idle ones (consumers/terminals/idle.py) with a tombstone each, so the table does not
 grow for ever, and beyond `max_terminals_in_memory` the writer lets go of those with the least history
 (consumers/terminals/idle.py) as soon as a fold takes it past the cap, their tombstones in the next flush.
+Tombstones beyond FLUSH_RECORDS go first, in transactions of their own that end with the positions the table
+already has: after each, the table is the fold of everything before those positions, less the terminals let go
+so far.
 A failed run (broker away, fenced) is logged and started again after a pause, from the table. On stop it
-drains what has arrived and flushes.
+drains what has arrived and flushes (a writer that is behind flushes what it has folded).
 """
 
 import logging
@@ -42,7 +45,7 @@ from consumers.scoring.message_limits import MessageLimits
 from consumers.scoring.outputs import dead_letter
 from consumers.terminals.feed import FeedRead, FeedReader, poll_records
 from consumers.terminals.idle import TerminalEviction
-from consumers.terminals.table import flush_records
+from consumers.terminals.table import Positions, flush_records
 from pipeline.features.stream import StreamingFeaturizer
 
 log = logging.getLogger(__name__)
@@ -59,8 +62,15 @@ DRAIN_TIMEOUT_S = 10.0  # on stop; what is not drained by then stays in the topi
 # took: the writer then holds at most a quarter of the interpreter while it flushes. Each record costs ~30 us
 # of kafka-python's send, so thousands of terminals in one go would stall the scorer sharing the process
 # (p99 latency at 3,000 events/s: ~125 ms with unpaced flushes, ~90 ms with no writer in the process).
+# A writer that is behind (its last poll came back full) does not pause: pausing would only keep it behind.
 FLUSH_CHUNK = 100
 PAUSE_PER_BUSY = 3.0
+# Records of one transaction, about: the changed terminals and dead letters folded since the last flush
+# trigger a flush when they reach it (one poll more at most: consumers/terminals/feed.POLL_TERMINAL_EVENTS),
+# and tombstones beyond it go in transactions of their own. At ~30 us a record sent, ~120 us paced, a
+# transaction is open ~1-4 s, far inside transaction_timeout_ms (30 s), past which the broker aborts it and
+# the writer would build the same flush again from the same table, for ever.
+FLUSH_RECORDS = 20_000
 
 
 @dataclass
@@ -171,19 +181,22 @@ class TerminalTableWriter:
             behind = False  # the last poll came back full: more is waiting
             while True:
                 self.probes.beat()
-                # Stopping: everything committed so far, this instance's last batch included, then a flush.
-                got = feed.read(to_high_watermark=stopping, timeout_s=DRAIN_TIMEOUT_S)
+                # Stopping: everything committed so far, this instance's last batch included, then a flush;
+                # unless behind, where that would be a backlog in one flush: the next writer reads it.
+                got = feed.read(to_high_watermark=stopping and not behind, timeout_s=DRAIN_TIMEOUT_S)
                 self._fold(featurizer, got, changed)
                 self._cap(featurizer, capped)  # at once, not at the flush: the fold may have brought a flood
                 bad += got.bad
                 behind = got.full
-                if stopping or time.monotonic() - last_flush >= cfg.terminal_table_flush_s:
+                due = time.monotonic() - last_flush >= cfg.terminal_table_flush_s
+                if stopping or due or len(changed) + len(bad) >= FLUSH_RECORDS:
                     read_to = feed.positions()
                     evicted = self.eviction.evict(featurizer.terminals)
                     if changed or bad or evicted or capped or read_to != flushed_at:
                         self._flush(
-                            producer, featurizer, changed, bad, read_to, not stopping, evicted, capped
-                        )
+                            producer, featurizer, changed, bad, read_to, not (stopping or behind), evicted,
+                            capped, table_at=flushed_at,
+                        )  # fmt: skip
                         changed, capped, bad, flushed_at = set(), set(), [], read_to
                     last_flush = time.monotonic()
                 if stopping:
@@ -209,6 +222,18 @@ class TerminalTableWriter:
         self.metrics.inc("txsentinel_terminals_capped_total", len(gone), label="writer")
         return capped
 
+    def _transaction(self, producer, records: list, paced: bool) -> None:
+        producer.begin_transaction()
+        for start in range(0, len(records), FLUSH_CHUNK):
+            began = time.monotonic()
+            for topic, key, value, partition in records[start : start + FLUSH_CHUNK]:
+                producer.send(topic, key=key, value=value, partition=partition)
+            if paced and start + FLUSH_CHUNK < len(records):
+                time.sleep(PAUSE_PER_BUSY * (time.monotonic() - began))
+        producer.commit_transaction()
+        self.probes.beat()  # a flush in many transactions is alive while they commit
+        self.metrics.inc("txsentinel_terminal_table_flushes_total")
+
     @staticmethod
     def _fold(featurizer: StreamingFeaturizer, got: FeedRead, changed: set[str]) -> None:
         got.fold_into(featurizer)
@@ -226,38 +251,43 @@ class TerminalTableWriter:
         paced: bool = True,
         evicted=(),
         capped=(),
+        *,
+        table_at: Positions,
     ) -> None:
         """ONE transaction: the dead letters, the tombstones of the terminals let go (`evicted` idle,
         `capped` beyond the cap, unless back since), the changed terminals still held, the positions last.
-        `paced`: in chunks with pauses between them (FLUSH_CHUNK); a writer that is stopping flushes at once."""
+        Tombstones beyond FLUSH_RECORDS go before it, in transactions of their own that end with `table_at`,
+        the positions the table holds. `paced`: in chunks with pauses between them (FLUSH_CHUNK); a writer
+        that is stopping or behind flushes at once."""
         cfg = self.cfg
         table, dead_letter_topic = cfg.topic("terminal_table"), cfg.topic("dead_letter")
         held = featurizer.terminals
         # A terminal let go over the cap whose events came again since is held anew: its record, no tombstone.
         gone = sorted({t for t in (*evicted, *capped) if t not in held})
         changed = {t for t in changed if t in held}
-        records = [(dead_letter_topic, *dead_letter(record, error), None) for record, error in bad]
-        records += [(table, terminal, None, 0) for terminal in gone]  # compaction deletes them
-        records += [
-            (table, key, value, 0)
-            for key, value in flush_records(
-                held, changed, positions, cfg.topic("labels"), cfg.topic("terminal_deltas")
-            )
-        ]
-        producer.begin_transaction()
-        for start in range(0, len(records), FLUSH_CHUNK):
-            began = time.monotonic()
-            for topic, key, value, partition in records[start : start + FLUSH_CHUNK]:
-                producer.send(topic, key=key, value=value, partition=partition)
-            if paced and start + FLUSH_CHUNK < len(records):
-                time.sleep(PAUSE_PER_BUSY * (time.monotonic() - began))
-        producer.commit_transaction()
+
+        def table_records(changed: set[str], positions: Positions) -> list:
+            return [
+                (table, key, value, 0)
+                for key, value in flush_records(
+                    held, changed, positions, cfg.topic("labels"), cfg.topic("terminal_deltas")
+                )
+            ]
+
+        dead = [(dead_letter_topic, *dead_letter(record, error), None) for record, error in bad]
+        tombstones = [(table, terminal, None, 0) for terminal in gone]  # compaction deletes them
+        terminals = table_records(changed, positions)  # the positions last
+        room = max(0, FLUSH_RECORDS - len(dead) - len(terminals))
+        alone = max(0, len(tombstones) - room)  # the first ones, in transactions of their own
+        for start in range(0, alone, FLUSH_RECORDS - 1):
+            part = tombstones[start : min(alone, start + FLUSH_RECORDS - 1)]
+            self._transaction(producer, part + table_records(set(), table_at), paced)
+        self._transaction(producer, dead + tombstones[alone:] + terminals, paced)
         self.stats.flushes += 1
         self.stats.terminals_written += len(changed)
         self.stats.dead_lettered += len(bad)
         self.stats.terminals_evicted += len(evicted)
         self.metrics.inc("txsentinel_terminals_evicted_total", len(evicted))
-        self.metrics.inc("txsentinel_terminal_table_flushes_total")
         self.metrics.inc("txsentinel_events_dead_lettered_total", len(bad))
         log.debug(
             "terminal table flushed terminals=%d tombstones=%d dead_letters=%d",

@@ -1,5 +1,6 @@
 """A backlog in the feed (a bulk import of labels, a catch-up after an outage): the table writer reads it poll
-after poll; a scorer reads on for FEED_READ_S at most. The consumer and the producer are stand-ins (kafka-
+after poll, in transactions of at most about FLUSH_RECORDS records whose positions each say exactly what
+they hold; a scorer reads on for FEED_READ_S at most. The consumer and the producer are stand-ins (kafka-
 python's poll: at most max_records a call); the writer against the real broker:
 tests/integration/test_service_labels.py."""
 
@@ -14,11 +15,12 @@ from kafka.structs import TopicPartition
 
 from consumers.runtime.metrics import Metrics
 from consumers.runtime.settings import load_serve_config
-from consumers.scoring.messages import Label, MessageLimits, encode_label
+from consumers.scoring.messages import Label, MessageError, MessageLimits, encode_label
 from consumers.service import batch_scoring
 from consumers.service.batch_scoring import BatchScorer
 from consumers.terminals import writer as terminal_writer
 from consumers.terminals.feed import FeedRead, FeedReader, poll_records
+from consumers.terminals.table import POSITIONS_KEY, Positions, decode_positions
 from consumers.terminals.writer import TerminalTableWriter
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import TerminalOp
@@ -126,6 +128,67 @@ def test_a_backlog_is_read_poll_after_poll_not_one_poll_a_second(monkeypatch):
     read = consumer.at[consumer.labels]
     print(f"read {read} labels in {took:.2f} s: {read / took:,.0f} a second")
     assert read == 6_000 and took < 4.0, f"{read} labels in {took:.1f} s"
+
+
+def test_a_backlog_is_flushed_in_bounded_transactions_each_holding_what_its_positions_say(monkeypatch):
+    monkeypatch.setattr(terminal_writer, "FLUSH_RECORDS", 100)
+    paces = []
+    monkeypatch.setattr(terminal_writer.time, "sleep", lambda s: paces.append(s))
+    writer, consumer, producer = writer_over(monkeypatch, 1_000)
+    run_until_read(writer, consumer, within_s=10.0)  # terminal_table_flush_s is 10 s: only the cap flushes
+
+    poll = poll_records(writer.cfg.max_poll_records)
+    held: set[str] = set()
+    for records in producer.transactions:
+        assert len(records) <= 100 + poll + 1 and records[-1][1] == POSITIONS_KEY
+        held |= {key for _, key, _ in records[:-1]}
+        positions = decode_positions(records[-1][2], "p-labels", "p-terminal-deltas")
+        # the table is exactly the fold of the labels before its positions: T{i} for each label i
+        assert held == {f"T{i}" for i in range(positions.labels[0])}
+    assert len(producer.transactions) >= 10 and positions.labels[0] == 1_000
+    assert paces == []  # behind, a writer does not pause between chunks
+
+
+def flush_tombstones(monkeypatch, tombstones: int) -> list[list]:
+    """One flush of 3 changed terminals, a dead letter and `tombstones` let go over the cap, with
+    FLUSH_RECORDS 10; the transactions sent."""
+    monkeypatch.setattr(terminal_writer, "FLUSH_RECORDS", 10)
+    cfg = load_serve_config(None, overrides={"topic_prefix": "p-", "group_id": "g"}, env={})
+    metrics = Metrics()
+    writer, featurizer, producer = (
+        TerminalTableWriter(cfg, "unused:9092", metrics),
+        StreamingFeaturizer(),
+        ScriptedProducer(),
+    )
+    featurizer.apply_terminal_ops([TerminalOp("events", ["c1", "c2", "c3"], np.array([5, 5, 5]))])
+    bad = [(Record("p-labels", 0, 7, b"k", b"{nope", 0), MessageError("not JSON"))]
+    gone = {f"gone{i:03d}" for i in range(tombstones)}
+    table_at, read_to = Positions(labels={0: 3}, deltas={0: 4}), Positions(labels={0: 8}, deltas={0: 9})
+    writer._flush(producer, featurizer, {"c1", "c2", "c3"}, bad, read_to, True, (), gone, table_at=table_at)
+    assert metrics.get("txsentinel_terminal_table_flushes_total") == len(producer.transactions)
+    for records in producer.transactions:
+        assert len(records) <= 10 and records[-1][1] == POSITIONS_KEY
+    ends = [
+        decode_positions(records[-1][2], "p-labels", "p-terminal-deltas") for records in producer.transactions
+    ]
+    assert ends[-1] == read_to and all(end == table_at for end in ends[:-1])  # fmt: skip
+    sent = [key for records in producer.transactions for _, key, value in records if value is None]
+    assert sorted(sent) == sorted(gone)  # each tombstone once
+    last = producer.transactions[-1]
+    assert [topic for topic, _, _ in last].count("p-dead-letter") == 1  # with the positions past it, only
+    assert {key for _, key, value in last if value is not None} >= {"c1", "c2", "c3"}
+    return producer.transactions
+
+
+def test_tombstones_beyond_a_transaction_go_first_in_their_own_ending_with_the_tables_positions(monkeypatch):
+    transactions = flush_tombstones(
+        monkeypatch, 25
+    )  # 9 + 9 alone, then 2 beside the 5 others and the positions
+    assert [len(records) for records in transactions] == [10, 10, 3, 10]
+
+
+def test_tombstones_that_fit_go_in_the_one_transaction(monkeypatch):
+    assert [len(records) for records in flush_tombstones(monkeypatch, 4)] == [9]
 
 
 # -- a scorer reads on while polls come back full, for FEED_READ_S at most ---------------------------------

@@ -139,7 +139,10 @@ def test_the_writer_lets_go_over_the_cap_at_once_and_deletes_them_with_tombstone
     assert capped == {"T-old", "T-new", "T-busy"} and sorted(featurizer.terminals) == ["T-new", "T-reported"]
 
     producer = ScriptedProducer()
-    writer._flush(producer, featurizer, {"T-busy", "T-new"}, [], Positions(labels={0: 3}), True, (), capped)
+    read_to = Positions(labels={0: 3})
+    writer._flush(
+        producer, featurizer, {"T-busy", "T-new"}, [], read_to, True, (), capped, table_at=Positions()
+    )
     sends = [(entry[1], entry[2], entry[3]) for entry in producer.log if entry[0] == "send"]
     assert [(key, value is None) for _, key, value in sends] == [
         ("T-busy", True), ("T-old", True), ("T-new", False), (POSITIONS_KEY, False)

@@ -90,7 +90,9 @@ def test_the_writer_deletes_idle_terminals_from_the_table_with_tombstones_before
     evicted = writer.eviction.evict(featurizer.terminals, force=True)
     producer = ScriptedProducer()
     changed = {"T-busy"}
-    writer._flush(producer, featurizer, changed, [], Positions(labels={0: 3}), True, evicted)
+    writer._flush(
+        producer, featurizer, changed, [], Positions(labels={0: 3}), True, evicted, table_at=Positions()
+    )
 
     sends = [(entry[1], entry[2], entry[3]) for entry in producer.log if entry[0] == "send"]
     assert [(key, value is None) for _, key, value in sends] == [

@@ -48,7 +48,7 @@ def test_a_flush_is_one_transaction_ending_with_the_positions_and_counts_what_it
     writer._fold(featurizer, got, changed)
     producer = ScriptedProducer()
     positions = Positions(labels={0: 8}, deltas={0: 3})
-    writer._flush(producer, featurizer, changed, got.bad, positions)
+    writer._flush(producer, featurizer, changed, got.bad, positions, table_at=Positions())
 
     kinds = [entry[0] for entry in producer.log]
     assert kinds == ["begin", "send", "send", "send", "send", "commit"]
@@ -80,7 +80,7 @@ def test_a_big_flush_pauses_between_chunks_in_its_one_transaction_unless_stoppin
     producer = ScriptedProducer()
     monkeypatch.setattr(terminal_writer.time, "sleep", lambda s: producer.log.append(("pause",)))
 
-    writer._flush(producer, featurizer, changed, [], Positions())
+    writer._flush(producer, featurizer, changed, [], Positions(), table_at=Positions())
     kinds = [entry[0] for entry in producer.log]
     assert kinds.count("begin") == 1 and kinds[-1] == "commit" and kinds.count("send") == len(terminals) + 1
     pauses = [i for i, kind in enumerate(kinds) if kind == "pause"]
@@ -89,7 +89,8 @@ def test_a_big_flush_pauses_between_chunks_in_its_one_transaction_unless_stoppin
     assert producer.log[-2][2] == POSITIONS_KEY  # still the last record
 
     producer.log.clear()
-    writer._flush(producer, featurizer, changed, [], Positions(), paced=False)  # stopping: at once
+    # stopping: at once
+    writer._flush(producer, featurizer, changed, [], Positions(), paced=False, table_at=Positions())
     assert ("pause",) not in producer.log
 
 
