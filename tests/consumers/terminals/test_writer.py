@@ -136,8 +136,10 @@ def test_a_label_whose_fold_fails_is_rolled_back_and_set_aside_and_the_others_ar
     featurizer.terminal_journal = []
     fold = featurizer._fold_terminal_reports
 
-    def faulty(terminals, slots, days, events):
-        fold(terminals, slots, days, events)  # changes the state, then fails: the rollback must undo it
+    def faulty(terminals, slots, days, events, fraud):
+        fold(
+            terminals, slots, days, events, fraud
+        )  # changes the state, then fails: the rollback must undo it
         if "poison" in terminals:
             raise IndexError("a fault nobody foresaw")
 

@@ -300,7 +300,7 @@ def test_a_snapshot_whose_records_are_of_another_size_is_refused_by_name():
     del header["record_bytes"]
     text = json.dumps(header).encode()
     older = struct.pack("<4sHHI", magic, state, feature, len(text)) + text + data[12 + length :]
-    with pytest.raises(ValueError, match="terminals records of 484 bytes; this txsentinel's are 868 bytes"):
+    with pytest.raises(ValueError, match="terminals records of 484 bytes; this txsentinel's are 996 bytes"):
         StreamingFeaturizer.from_bytes(older)
 
 
@@ -339,7 +339,7 @@ def snapshot(edit_records=None, edit_header=None, edit_bytes=None) -> bytes:
         ),
         (
             {"edit_bytes": lambda d: d[:-1]},
-            "1 terminals take 868 bytes, 867 follow: the snapshot is truncated",
+            "1 terminals take 996 bytes, 995 follow: the snapshot is truncated",
         ),
         ({"edit_bytes": lambda d: d + b"x"}, "has 1 trailing bytes"),
         ({"edit_bytes": lambda d: d[:7]}, "not a txsentinel featurizer state snapshot .*7 bytes"),
