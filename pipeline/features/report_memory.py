@@ -19,8 +19,8 @@ The bound, and why not counting is the choice. A full memory makes room by letti
 (its count stays in the ring), and keys only grow (a verdict never goes down), so every event let go is
 older than every event remembered. A label the terminal cannot find among what it remembers is either new
 or repeats one let go, and no bounded state can tell which. Counting it would count a re-published labels
-topic once more on every pass (the defect this module exists to prevent); not counting it loses a report
-only when a terminal holds REMEMBERED_REPORTS events whose newest label is newer than it. Hence:
+topic once more on every pass, without end; not counting it loses a report only when a terminal holds
+REMEMBERED_REPORTS events whose newest label is newer than it. Hence:
 - the same label, sent any number of times, in any order, is counted at most once: a repeat of an event let
   go is older than the memory's oldest and is refused, however many reports the terminal has;
 - a terminal's count is exact while its labels come in time order (the batch form's order: a new label is
@@ -28,12 +28,15 @@ only when a terminal holds REMEMBERED_REPORTS events whose newest label is newer
   than its REMEMBERED_REPORTS newest are undercounted, never overcounted;
 - a label for an event let go, dated after the memory's oldest, counts again (it reads as a new report): at
   most once per (event, label day), and only after REMEMBERED_REPORTS newer labels pushed the event out;
-- a withdrawal takes back what the terminal remembers; for an event let go it changes nothing (the report
-  stays counted, as it does in the batch form's past), nor for a fraud label that comes after it but is
-  dated before it and finds nothing to withdraw (the labels of one event share a partition of the labels
-  topic, keyed by account, so every reader folds them in one order and agrees).
+- a withdrawal takes back what the terminal remembers: for an event let go, the report stays counted (the
+  batch form, holding the final label only, has none). One that comes before any fraud label of its event
+  finds nothing to withdraw, and the fraud label, though dated before it, then counts. The labels of one
+  event share a partition of the labels topic (keyed by account), so every reader folds them in one order
+  and agrees; the withdrawal sent again takes effect.
 
-The memory costs REMEMBERED_REPORTS x 16 bytes a terminal (key, day, verdict), 512 of its 996.
+The memory costs REMEMBERED_REPORTS x 16 bytes a terminal (key, day, verdict), 512 of its 996. A larger one
+moves the bound for 16 bytes an event; small per-day filters of the events reported would undercount by
+their false positives and could not take a report back.
 
 The ring holds, bucket by bucket, the newest day of the reports counted there and how many are on that
 day (state.add_to_ring's rule, one report at a time); a report uncounted from a bucket it leaves empty gives
