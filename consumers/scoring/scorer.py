@@ -152,7 +152,7 @@ class Scorer(HeldAccounts, HistoryReplay):
 
         positions: (partition, offset) of each transaction in its source topic; events at or before their
         account's last applied position in that partition are dropped (counted in stats). None: apply all.
-        labels: fraud labels that became known during this batch (see StreamingFeaturizer.transform).
+        labels: labels that became known during this batch (see StreamingFeaturizer.transform).
         clock_us: the live service's clock. An event dated past the clock's day (a producer's clock skew,
         up to max_ts_skew_s, across midnight) is featurized and stepped as of the day's last microsecond,
         so that it moves no account's or terminal's day forward before the clock gets there: one event
@@ -220,7 +220,7 @@ class Scorer(HeldAccounts, HistoryReplay):
             self.newest_read[partition] = max(self.newest_read.get(partition, -1), end - 1)
 
     def observe_labels(self, labels: LabelBatch) -> None:
-        """Apply fraud labels that arrive between batches (label_ts <= every later event's ts)."""
+        """Apply labels that arrive between batches (label_ts <= every later event's ts)."""
         self.featurizer.observe_labels(labels)
 
     def _positions_ahead(self, events: EventBatch, ahead: list[int], pos: np.ndarray) -> None:

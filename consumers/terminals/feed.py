@@ -24,7 +24,9 @@ label, so what one does with it must not depend on whose clock reads it.
   bucket (day % RING_DAYS) of the terminal's oldest day in the 30-day windows and push that day's reports out
   of them until midnight, where the batch form, which counts a label from its label_ts on, still has them. A
   waiting partition's position stays at the label, so the table's positions still mean "all before is
-  folded". No label is folded ahead of a reader's day, and every reader folds it on its own day.
+  folded". No fraud label is folded ahead of a reader's day, and every reader folds it on its own day. A
+  label saying not fraud does not wait: it takes a report back from the day that report counts on and puts
+  none on a day to come (pipeline/features/report_memory.py), so when it is folded changes no bucket.
 - The wait is bounded by the record: a label_ts at most max_ts_skew_s after its record's timestamp, itself
   at most message.timestamp.after.max.ms after the broker's clock, waits for the reader's next midnight at
   the latest. A label more than a day and max_ts_skew_s after this reader's clock, which only a record

@@ -44,8 +44,9 @@ from pipeline.features.state import MAX_EPOCH_DAY, STATE_VERSION, TERMINAL_STATE
 log = logging.getLogger(__name__)
 
 POSITIONS_KEY = "\x00positions"
-_MAGIC = b"TXT4"
+_MAGIC = b"TXT5"
 _OLDER_MAGICS = {
+    b"TXT4": "before terminals remembered the verdicts of their reported events",
     b"TXT3": "before terminals remembered their reported events",
     b"TXST": "before the terminal journal",
     b"TXT2": "before the terminal table writer",

@@ -239,7 +239,12 @@ class TerminalTableWriter:
         got.fold_into(featurizer)
         for op in got.deltas:
             changed.update(op.terminals)
-        changed.update(label.terminal_id for label in got.labels if label.is_fraud)
+        # A fraud label reports its event; one saying not fraud may withdraw a report, at a terminal held.
+        changed.update(
+            label.terminal_id
+            for label in got.labels
+            if label.is_fraud or label.terminal_id in featurizer.terminals
+        )
 
     def _flush(
         self,

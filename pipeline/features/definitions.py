@@ -11,7 +11,8 @@ and per terminal reproduces that exactly with bounded state, which a sliding 7x2
 
 Terminal fraud reports count fraud labels of the terminal whose label_ts falls on days D-d+1 .. D and is
 <= the event's ts: only what was known when the event happened. An event is reported once: a label repeated
-for the same event_id counts on the earliest of its label days, as a dataset (one row per event) has it.
+for the same event_id counts on the earliest of its label days, as a dataset (one row per event) has it, and a
+later label saying not fraud takes it back (report_memory.py, with what bounded state cannot tell).
 """
 
 import functools
@@ -31,8 +32,9 @@ RING_DAYS = max(WINDOW_DAYS)
 TERMINAL_BUCKETS = 4096
 # "Has this account used this terminal before?" is kept as a bitset of hashed terminals per account.
 SEEN_TERMINAL_BITS = 512
-# Fraud reports remembered per terminal (by account and event id), so a repeated label counts once. The newest are kept:
-# exact while a terminal has at most this many reports, and beyond that for repeats of any of its newest 32.
+# Reported events remembered per terminal (by account and event id), so that a repeated label counts once and a
+# withdrawal finds what to uncount: those with the newest labels are kept, and a label older than all of them is
+# not counted (report_memory.py says why).
 REMEMBERED_REPORTS = 32
 
 # amount_z divides by sqrt(var + prior): a prior variance of log-amounts, so an account's second event is

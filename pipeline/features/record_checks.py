@@ -22,9 +22,10 @@ The bounds, and why every fold keeps them:
   sum_log_amount (0 <= x <= L gives x**2 <= L x). Each bound is widened by what rounding may add to a float64
   sum of that many terms (Higham's gamma_n), never by a guess;
 - an event sets one bit of seen_terminals: at most count of them are set;
-- a terminal remembers a reported event as (event key != 0, label day >= 0) or holds an empty place (0, -1),
-  sorted by (day, event), and the report ring's bucket of a remembered day holds that day or a newer one
-  (stream.py's _report_once).
+- a terminal remembers a reported event as (event key != 0, label day >= 0, verdict >= 2 x that day: its
+  newest label is no older than its earliest fraud label) or holds an empty place (0, -1, -1), sorted by
+  strictly increasing (verdict, event) with the empty places first, and the report ring's bucket of
+  the day a counted report (even verdict) counts on holds that day or a newer one (report_memory.py).
 """
 
 import numpy as np
@@ -98,6 +99,8 @@ def _out_of_range(name: str, values: np.ndarray, last_day: int) -> np.ndarray:
         return (values < 0) | (values > MAX_TS_US)
     if name.endswith("day"):  # max_day and the rings' days: -1 is empty
         return (values < -1) | (values > last_day)
+    if name.endswith("verdict"):  # 2 x a label day, + 1 when it says not fraud: -1 is empty
+        return (values < -1) | (values > 2 * last_day + 1)
     if values.dtype.kind == "f":  # sums of log-amounts and amounts, all >= 0
         return ~np.isfinite(values) | (values < 0)
     if values.dtype.kind == "i":  # counts
@@ -111,6 +114,8 @@ def _range(name: str, dtype: np.dtype, last_day: int) -> str:
     if name.endswith("day"):
         to_come = " (a later one is still to come)" if last_day < MAX_EPOCH_DAY else ""
         return f"an epoch day in 0..{last_day}{to_come}, or -1 for none"
+    if name.endswith("verdict"):
+        return f"2 x an epoch day in 0..{last_day} (+ 1: not fraud), or -1 for none"
     return "a finite sum >= 0" if dtype.base.kind == "f" else "a count >= 0"
 
 
@@ -177,20 +182,27 @@ def _account_faults(r: np.ndarray, days: np.ndarray) -> list[Fault]:
 
 def _report_faults(r: np.ndarray) -> list[Fault]:
     report_days = np.ascontiguousarray(r["report_day"])
-    events, remembered = r["reported_event"], r["reported_day"]
+    events, remembered, verdicts = r["reported_event"], r["reported_day"], r["reported_verdict"]
+    empty = events == 0
     return [
         ("report_day", _misplaced(report_days), f"-1 (empty), or a day d in bucket d % {RING_DAYS}"),
         ("report_count", _miscounted(report_days, r["report_count"]), _COUNTED),
         (
             "reported_event",
-            (events == 0) != (remembered == -1),
+            empty != (remembered == -1),
             "0 exactly in an empty place (reported_day -1)",
         ),
         (
+            "reported_verdict",
+            np.where(empty, verdicts != -1, verdicts < 2 * remembered.astype(np.int64)),
+            "-1 in an empty place, else at least 2 x reported_day (the newest label is no older than the "
+            "earliest fraud label)",
+        ),
+        (
             "reported_day",
-            _memory_faults(remembered, events, report_days),
-            "-1 (empty), or a label day, in (day, event) order, and at most the day its bucket of the report "
-            "ring holds",
+            _memory_faults(remembered, verdicts, events, report_days),
+            "-1 (empty), or a label day, in strictly increasing (verdict, event) order, and at most the day its "
+            "bucket of the report ring holds while counted",
         ),
     ]
 
@@ -219,14 +231,19 @@ def _seen_faults(bits: np.ndarray, count: np.ndarray) -> np.ndarray:
     return (bits != 0) & too_many[:, None]
 
 
-def _memory_faults(days: np.ndarray, events: np.ndarray, ring: np.ndarray) -> np.ndarray:
-    """[N, REMEMBERED_REPORTS]: a remembered report out of (day, event) order, or on a later day than its
-    bucket of the report ring [N, RING_DAYS] holds. Only terminals with a report are looked at: the rest
-    hold (-1, 0) everywhere, in order."""
+def _memory_faults(
+    days: np.ndarray, verdicts: np.ndarray, events: np.ndarray, ring: np.ndarray
+) -> np.ndarray:
+    """[N, REMEMBERED_REPORTS]: a remembered report not after the one before it in (verdict, event) order, or a
+    counted report (even verdict) on a later day than its bucket of the report ring
+    [N, RING_DAYS] holds. Only terminals with a report are looked at: the rest hold (-1, -1, 0) everywhere,
+    in order."""
     wrong = np.zeros(days.shape, dtype=bool)
     rows = np.flatnonzero((days != -1).any(axis=1))
-    d, e = days[rows], events[rows]
-    wrong[rows, 1:] = (d[:, 1:] < d[:, :-1]) | ((d[:, 1:] == d[:, :-1]) & (e[:, 1:] < e[:, :-1]))
+    v, e, d = verdicts[rows], events[rows], days[rows]
+    wrong[rows, 1:] = (v[:, 1:] < v[:, :-1]) | (
+        (v[:, 1:] == v[:, :-1]) & (e[:, 1:] <= e[:, :-1]) & (e[:, 1:] != 0)
+    )
     held = np.take_along_axis(ring[rows], (d % RING_DAYS).astype(np.intp), axis=1)
-    wrong[rows] |= (d >= 0) & (held < d)
+    wrong[rows] |= (d >= 0) & (v % 2 == 0) & (held < d)
     return wrong

@@ -47,11 +47,13 @@ TERMINAL_STATE = np.dtype(
         ("day_count", "<i4", (RING_DAYS,)),
         ("report_day", "<i4", (RING_DAYS,)),  # day of label_ts of fraud reports
         ("report_count", "<i4", (RING_DAYS,)),
-        # The events whose fraud reports were counted (LabelBatch.report_keys: account and event id hashed, 0 =
-        # empty) and the label day each counts on: a repeated label finds its event here and is not counted
-        # again (pipeline/features/stream.py).
+        # The events reported here (LabelBatch.report_keys: account and event id hashed, 0 = empty), the label
+        # day each report counts on, and each event's verdict: its newest label, 2 * label day + 1 when it says
+        # not fraud (-1 = empty). Kept sorted by (verdict, event): a repeated label finds its event here and is
+        # not counted again, a withdrawal uncounts it (pipeline/features/report_memory.py).
         ("reported_event", "<u8", (REMEMBERED_REPORTS,)),
         ("reported_day", "<i4", (REMEMBERED_REPORTS,)),
+        ("reported_verdict", "<i4", (REMEMBERED_REPORTS,)),
     ]
 )
 
@@ -59,7 +61,7 @@ TERMINAL_STATE = np.dtype(
 def empty_record(dtype: np.dtype) -> np.ndarray:
     record = np.zeros((), dtype=dtype)
     for name in dtype.names:
-        if name == "max_day" or name.endswith("day"):
+        if name.endswith(("day", "verdict")):
             record[name] = -1
     return record
 
@@ -243,7 +245,7 @@ def read_snapshot(data: bytes, dtypes: dict[str, np.dtype]) -> dict[str, tuple[l
     if not isinstance(header, dict):
         raise ValueError(f"{where}: its header is {type(header).__name__}, expected a JSON object")
     # Written before the record sizes were: accounts of 580 bytes, terminals of 484 (before they remembered
-    # their reported events).
+    # their reported events; 868 bytes before they remembered their verdicts).
     sizes = header.get("record_bytes", {"accounts": 580, "terminals": 484})
     for name, dtype in dtypes.items():
         size = sizes.get(name) if isinstance(sizes, dict) else None

@@ -19,15 +19,17 @@ and no feature depends on how the stream is cut into batches. In time order — 
 replay see — no event is late and both forms agree exactly.
 
 Terminal state is ORDER-FREE: each event is counted at its terminal on its own day (a ring bucket keeps its
-newest day), each reported event once, on the earliest day it was labelled (a repeated label finds it among
-the reports its terminal remembers), and max_day is a maximum, so the terminal table is the same whatever
-order, batching or split across instances the events and labels are folded in (for the reports: while a
-terminal has at most REMEMBERED_REPORTS of them; _report_once says what happens beyond). The scoring
-service relies on it to merge other instances' terminal counts (consumers/terminals/deltas.py).
+newest day), and max_day is a maximum, so the terminal table is the same whatever order, batching or split
+across instances the events are folded in. The scoring service relies on it to merge other instances'
+terminal counts (consumers/terminals/deltas.py). Labels touch other fields than events do, so the two folds
+commute; a label reports its event once, on the earliest day it was labelled fraud, unless a later label
+says not fraud (report_memory.py): the same whatever order the labels of the events a terminal remembers
+come in, and beyond its memory the labels that come late are not counted, never counted twice.
 
-Labels are applied at their label_ts: a fraud label given with a batch counts for the events of that batch
-with ts >= label_ts and for every later batch. So a caller must not pass a label whose label_ts is later than
-events of later batches (`stream_batches.replay_batches` splits a history that way).
+Labels are applied at their label_ts: a label given with a batch changes the reports of the events of that
+batch with ts >= label_ts and of every later batch (a batch's labels are folded in label_ts order). So a
+caller must not pass a label whose label_ts is later than events of later batches
+(`stream_batches.replay_batches` splits a history that way).
 """
 
 from collections.abc import Sequence
@@ -38,7 +40,6 @@ import numpy as np
 from pipeline.features.definitions import (
     DAY_US,
     FEATURE_NAMES,
-    RING_DAYS,
     SECOND_US,
     WINDOW_DAYS,
     derive_features,
@@ -46,6 +47,7 @@ from pipeline.features.definitions import (
     terminal_hashes,
 )
 from pipeline.features.record_checks import record_fault, record_faults
+from pipeline.features.report_memory import fold_reports
 from pipeline.features.state import (
     ACCOUNT_STATE,
     TERMINAL_STATE,
@@ -66,13 +68,15 @@ from pipeline.features.stream_windows import DAY_SPAN, grouped_cumsum, in_batch_
 
 
 @dataclass(frozen=True)
-class _FraudLabels:
-    """A label batch's fraud labels (all [L]): terminal, label time and day, event_id_hash."""
+class _Labels:
+    """The labels of a batch that may change terminal state, in label_ts order (all [L]): terminal, label time
+    and day, labelled event (LabelBatch.report_keys), verdict."""
 
     terminals: list[str]
     label_us: np.ndarray
     days: np.ndarray
     events: np.ndarray
+    fraud: np.ndarray
 
 
 def _entity_batch(table: StateTable, keys: Sequence[str], days: np.ndarray):
@@ -290,8 +294,8 @@ class StreamingFeaturizer:
     def _terminal_part(self, terminal_ids, ts_us, days, labels: LabelBatch | None):
         n = len(ts_us)
         table = self.terminals
-        fraud = self._fraud_labels(labels)
-        label_slots = table.slots(fraud.terminals) if fraud is not None else None
+        folded = self._labels_to_fold(labels)
+        label_slots = table.slots(folded.terminals) if folded is not None else None
         slots, _, order, key, day_eff = _entity_batch(table, terminal_ids, days)
         rec = table.records  # only now: creating records for new terminals may have grown the array
 
@@ -303,41 +307,47 @@ class StreamingFeaturizer:
             out[f"terminal_count_{d}d"] = c + counts_in_state[d][0]
 
         reports_in_state = ring_window_sums(rec, slots, day_eff, ("report_count",), "report_day")
-        known_slots = label_us = None
-        if fraud is not None:
-            # The batch's first label of each event not yet reported: a repeat is not known twice.
-            first = self._first_reports(label_slots, fraud.label_us, fraud.events)
-            new = self._unreported(label_slots, fraud.events) & first
-            if new.any():
-                known_slots, label_us = label_slots[new], fraud.label_us[new]
+        # What the batch's labels change in the report rings, each change known from its label's time on.
+        changed_slots, changed_us, changed_day, delta = self._report_changes(label_slots, folded)
         for d in WINDOW_DAYS:
             reports = reports_in_state[d][0]
-            if label_us is not None:
-                # Few fraud labels per batch: a [N, L] comparison is cheaper than sorting.
-                label_day = label_us // DAY_US
+            if len(delta):
+                # Few labels per batch: a [N, K] comparison is cheaper than sorting.
                 known = (
-                    (known_slots[None, :] == slots[:, None])
-                    & (label_us[None, :] <= ts_us[:, None])
-                    & (label_day[None, :] > (day_eff - d)[:, None])
-                    & (label_day[None, :] <= day_eff[:, None])
+                    (changed_slots[None, :] == slots[:, None])
+                    & (changed_us[None, :] <= ts_us[:, None])
+                    & (changed_day[None, :] > (day_eff - d)[:, None])
+                    & (changed_day[None, :] <= day_eff[:, None])
                 )
-                reports = reports + known.sum(axis=1)
+                reports = reports + known.astype(np.int64) @ delta
             out[f"terminal_reports_{d}d"] = reports
 
         def fold() -> None:
             self._fold_terminal_events(list(terminal_ids), slots, days)  # own days: order-free (module doc)
-            if fraud is not None:
-                self._fold_terminal_reports(fraud.terminals, label_slots, fraud.days, fraud.events)
+            if folded is not None:
+                self._fold_terminal_reports(
+                    folded.terminals, label_slots, folded.days, folded.events, folded.fraud
+                )
 
         return out, fold
 
+    def _report_changes(self, label_slots: np.ndarray | None, folded: "_Labels | None"):
+        """What folding `folded` at `label_slots` [L] would change in the report rings, the state left as it
+        is: slot, label time, day and +1 or -1 of each change [K] (fold_reports, on copies of the records)."""
+        if folded is None:
+            return (np.empty(0, dtype=np.int64),) * 4
+        touched, local = np.unique(label_slots, return_inverse=True)
+        copies = self.terminals.records[touched]  # fancy indexing: a copy
+        label, day, delta = fold_reports(copies, local, folded.days, folded.events, folded.fraud).T
+        return label_slots[label], folded.label_us[label], day, delta
+
     def observe_labels(self, labels: LabelBatch) -> None:
         """Apply labels that arrive between batches (label_ts <= every later event's ts)."""
-        fraud = self._fraud_labels(labels)
-        if fraud is None:
+        folded = self._labels_to_fold(labels)
+        if folded is None:
             return
-        slots = self.terminals.slots(fraud.terminals)
-        self._fold_terminal_reports(fraud.terminals, slots, fraud.days, fraud.events)
+        slots = self.terminals.slots(folded.terminals)
+        self._fold_terminal_reports(folded.terminals, slots, folded.days, folded.events, folded.fraud)
 
     # -- terminal state changes, journaled -----------------------------------------------------------------
     def _fold_terminal_events(self, terminals: list[str], slots: np.ndarray, days: np.ndarray) -> None:
@@ -351,15 +361,15 @@ class StreamingFeaturizer:
             self.terminal_journal.append(TerminalOp("events", terminals, days.astype(np.int64)))
 
     def _fold_terminal_reports(
-        self, terminals: list[str], slots: np.ndarray, days: np.ndarray, events: np.ndarray
+        self, terminals: list[str], slots: np.ndarray, days: np.ndarray, events: np.ndarray, fraud: np.ndarray
     ) -> None:
-        """Count fraud reports at their terminals, each event once, on the earliest day it was labelled
-        (_report_once), one at a time: a batch of labels folds as they would one by one."""
-        rec = self.terminals.records
-        for slot, day, event in zip(slots.tolist(), days.tolist(), events.tolist(), strict=True):
-            _report_once(rec, slot, day, event)
+        """Fold labels into their terminals' reports (report_memory.py), one at a time in the order given: a
+        batch of labels folds as they would one by one."""
+        fold_reports(self.terminals.records, slots, days, events, fraud)
         if self.terminal_journal is not None:
-            self.terminal_journal.append(TerminalOp("reports", terminals, days.astype(np.int64), events))
+            self.terminal_journal.append(
+                TerminalOp("reports", terminals, days.astype(np.int64), events, np.asarray(fraud, dtype=bool))
+            )
 
     def take_terminal_journal(self) -> list["TerminalOp"]:
         """The operations journaled since the last take (journaling must be on)."""
@@ -381,41 +391,50 @@ class StreamingFeaturizer:
                 if op.kind == "events":
                     self._fold_terminal_events(terminals, slots, op.days[keep])
                 else:
-                    self._fold_terminal_reports(terminals, slots, op.days[keep], op.events[keep])
+                    self._fold_terminal_reports(
+                        terminals, slots, op.days[keep], op.events[keep], op.fraud[keep]
+                    )
         finally:
             self.terminal_journal = journal
 
-    @staticmethod
-    def _fraud_labels(labels: LabelBatch | None) -> "_FraudLabels | None":
-        """The batch's fraud labels (the others change no state); None when it has none."""
+    def _labels_to_fold(self, labels: LabelBatch | None) -> "_Labels | None":
+        """The batch's labels that may change terminal state, in label_ts order (stable): every fraud label,
+        and each label saying not fraud whose event its terminal remembers or a fraud label of this batch
+        reports (the others have nothing to withdraw, and create no terminal). None when there are none."""
         if labels is None or len(labels.terminal_ids) == 0:
             return None
-        mask = np.asarray(labels.is_fraud, dtype=bool)
-        if not mask.any():
-            return None
-        picked = np.flatnonzero(mask).tolist()
-        label_us = np.asarray(labels.label_ts_us, dtype=np.int64)[mask]
-        return _FraudLabels(
-            terminals=[labels.terminal_ids[i] for i in picked],
-            label_us=label_us,
-            days=label_us // DAY_US,
-            events=labels.report_keys(picked),
+        terminals, slot_of = labels.terminal_ids, self.terminals.slot_of
+        fraud = np.asarray(labels.is_fraud, dtype=bool)
+        # Most labels say not fraud and have nothing to withdraw: only those at a terminal that holds reports
+        # or gets one in this batch are hashed.
+        reported_at = {terminals[i] for i in np.flatnonzero(fraud).tolist()}
+        index = np.flatnonzero(
+            fraud
+            | np.fromiter((t in slot_of or t in reported_at for t in terminals), dtype=bool, count=len(fraud))
         )
-
-    def _unreported(self, slots: np.ndarray, events: np.ndarray) -> np.ndarray:
-        """[L] whether each (terminal slot, event) is not among the reports its terminal remembers."""
-        return ~(self.terminals.records["reported_event"][slots] == events[:, None]).any(axis=1)
-
-    @staticmethod
-    def _first_reports(slots: np.ndarray, label_us: np.ndarray, events: np.ndarray) -> np.ndarray:
-        """[L] whether each label is the earliest (then the first given) of its (terminal slot, event)."""
-        order = np.lexsort((np.arange(len(slots)), label_us, events, slots))
-        s, e = slots[order], events[order]
-        first = np.ones(len(slots), dtype=bool)
-        first[1:] = (s[1:] != s[:-1]) | (e[1:] != e[:-1])
-        out = np.empty(len(slots), dtype=bool)
-        out[order] = first
-        return out
+        keys = labels.report_keys(index.tolist())
+        pairs = list(zip((terminals[i] for i in index.tolist()), keys.tolist(), strict=True))
+        verdicts = fraud[index].tolist()
+        reported = {pair for pair, is_fraud in zip(pairs, verdicts, strict=True) if is_fraud}
+        memory = self.terminals.records["reported_event"]
+        keep = np.array(
+            [
+                is_fraud
+                or pair in reported
+                or (pair[0] in slot_of and bool((memory[slot_of[pair[0]]] == pair[1]).any()))
+                for pair, is_fraud in zip(pairs, verdicts, strict=True)
+            ],
+            dtype=bool,
+        )
+        index, keys = index[keep], keys[keep]
+        if len(index) == 0:
+            return None
+        label_us = np.asarray(labels.label_ts_us, dtype=np.int64)[index]
+        order = np.argsort(label_us, kind="stable")
+        index, keys, label_us = index[order], keys[order], label_us[order]
+        return _Labels(
+            [terminals[i] for i in index.tolist()], label_us, label_us // DAY_US, keys, fraud[index]
+        )
 
     @staticmethod
     def _fold_days(rec, slots, days, values: dict[str, np.ndarray], day_field: str) -> None:
@@ -426,57 +445,3 @@ class StreamingFeaturizer:
             name: np.bincount(inverse, weights=v, minlength=len(unique_key)) for name, v in values.items()
         }
         add_to_ring(rec, unique_key // DAY_SPAN, unique_key % DAY_SPAN, totals, day_field)
-
-
-def _report_once(rec: np.ndarray, slot: int, day: int, event: int) -> None:
-    """Fold a fraud report of `event` (its key: LabelBatch.report_keys) on `day` into terminal record `slot`.
-
-    The terminal remembers the events it was reported for, each on the earliest day it was labelled, kept
-    sorted by (day, event) so that the same reports give the same bytes. A report of an event it remembers
-    on that day or earlier changes nothing; on a later day, it moves to this one. A new event takes the
-    place of the oldest remembered report when the memory is full; an event older than every remembered
-    one is counted without being remembered.
-
-    The report ring then holds, bucket by bucket, the newest day of the remembered reports that fall in it
-    and how many are on that day: what folding each event once on its earliest day gives, whatever order
-    the reports came in, while the terminal has at most REMEMBERED_REPORTS of them.
-    """
-    memory, memory_day = rec["reported_event"][slot], rec["reported_day"][slot]  # views, [REMEMBERED_REPORTS]
-    held = np.flatnonzero(memory == event)
-    if held.size:
-        j = int(held[0])
-        was = int(memory_day[j])
-        if day >= was:
-            return
-        _uncount_report(rec, slot, was, np.delete(memory_day, j))
-        memory_day[j] = day
-    elif memory_day[0] <= day:  # an empty place (-1), or the oldest report, makes way
-        memory[0], memory_day[0] = event, day
-    _count_report(rec, slot, day)
-    order = np.lexsort((memory, memory_day))
-    memory[:], memory_day[:] = memory[order], memory_day[order]
-
-
-def _count_report(rec: np.ndarray, slot: int, day: int) -> None:
-    """One report into the ring: a bucket keeps its newest day (add_to_ring's rule, for one report)."""
-    bucket = day % RING_DAYS
-    held = int(rec["report_day"][slot, bucket])
-    if day > held:
-        rec["report_day"][slot, bucket], rec["report_count"][slot, bucket] = day, 1
-    elif day == held:
-        rec["report_count"][slot, bucket] += 1
-
-
-def _uncount_report(rec: np.ndarray, slot: int, day: int, other_days: np.ndarray) -> None:
-    """Take one report on `day` back out of the ring. A bucket it leaves empty is rebuilt from the other
-    remembered reports (`other_days`): a newer day had hidden any of them that fall in it, and they show
-    again."""
-    bucket = day % RING_DAYS
-    if rec["report_day"][slot, bucket] != day:  # a newer day holds the bucket: the report was not counted
-        return
-    rec["report_count"][slot, bucket] -= 1
-    if rec["report_count"][slot, bucket] == 0:
-        rest = other_days[(other_days >= 0) & (other_days % RING_DAYS == bucket)]
-        newest = int(rest.max()) if rest.size else -1
-        rec["report_day"][slot, bucket] = newest
-        rec["report_count"][slot, bucket] = int((rest == newest).sum())

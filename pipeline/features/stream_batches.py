@@ -33,17 +33,21 @@ def event_id_hashes(event_ids: Sequence[str]) -> np.ndarray:
 @dataclass(frozen=True)
 class TerminalOp:
     """One change to terminal state, as journaled: events counted at their terminals on their effective
-    days ("events"), or fraud reports on their label days ("reports", with each reported event's key,
-    LabelBatch.report_keys, in `events`); terminals and days [K]."""
+    days ("events"), or labels on their label days ("reports", with each labelled event's key,
+    LabelBatch.report_keys, in `events` and each verdict in `fraud`, in the order they were folded);
+    terminals and days [K]."""
 
     kind: str
     terminals: list[str]
     days: np.ndarray
     events: np.ndarray | None = None  # [K] uint64, reports only
+    fraud: np.ndarray | None = None  # [K] bool, reports only
 
     def __post_init__(self) -> None:
-        if self.kind == "reports" and self.events is None:
-            raise ValueError("a reports op needs the key of each reported event (LabelBatch.report_keys)")
+        if self.kind == "reports" and (self.events is None or self.fraud is None):
+            raise ValueError(
+                "a reports op needs the key of each labelled event (LabelBatch.report_keys) and its verdict"
+            )
 
 
 @dataclass(frozen=True)
@@ -58,9 +62,10 @@ class FeaturizerCheckpoint:
 
 @dataclass(frozen=True)
 class LabelBatch:
-    """Label events (all [L]); only fraud labels change state. `event_ids` and `account_ids`: the labelled
-    events, each an event_id of its account (as replays are told apart): a label repeated for the same event
-    is counted once."""
+    """Label events (all [L]): a fraud label reports its event at its terminal, one saying not fraud takes
+    back the report of an event labelled fraud before (report_memory.py). `event_ids` and `account_ids`: the
+    labelled events, each an event_id of its account (as replays are told apart): a label repeated for the
+    same event is counted once."""
 
     terminal_ids: Sequence[str]
     label_ts_us: np.ndarray

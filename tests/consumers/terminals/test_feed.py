@@ -173,7 +173,7 @@ def test_a_label_dated_tomorrow_waits_for_midnight_and_the_windows_keep_their_ol
 def test_a_held_partition_keeps_its_earlier_labels_and_its_later_ones_wait_with_it(clock):
     clock.now = MIDNIGHT - HOUR_US // 2
     today = [Label(f"E{i}", "A1", "T1", True, clock.now - HOUR_US) for i in range(2)]
-    not_fraud = Label("E8", "A1", "T2", False, MIDNIGHT + 10 * 60 * SECOND_US)  # changes no state: no wait
+    not_fraud = Label("E8", "A1", "T2", False, MIDNIGHT + 10 * 60 * SECOND_US)  # a withdrawal: no wait
     ahead = Label("E9", "A1", "T2", True, MIDNIGHT + 10 * 60 * SECOND_US)
     log = records([today[0], not_fraud, ahead, today[1]], [clock.now] * 4)
     feed = reader(log)

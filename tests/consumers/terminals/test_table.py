@@ -39,6 +39,8 @@ def test_a_record_of_another_version_or_layout_is_refused_with_what_to_do():
         terminal_table.decode_terminal("t1", other)
     with pytest.raises(ValueError, match="before the terminal table writer: point terminal_table_topic"):
         terminal_table.decode_terminal("t1", b"TXT2" + value[4:])
+    with pytest.raises(ValueError, match="before terminals remembered the verdicts of their reported events"):
+        terminal_table.decode_terminal("t1", b"TXT4" + value[4:])
     with pytest.raises(ValueError, match="bad magic"):
         terminal_table.decode_terminal("t1", b"nope")
 
@@ -49,6 +51,7 @@ def test_a_record_of_another_version_or_layout_is_refused_with_what_to_do():
         ("max_day", 2**31 - 1, "max_day = 2147483647, expected an epoch day"),
         ("report_count", -1, "report_count = -1, expected a count >= 0"),
         ("reported_day", -5, "reported_day = -5, expected an epoch day"),
+        ("reported_verdict", -7, "reported_verdict = -7, expected 2 x an epoch day"),
         ("day_count", 5, "day_count = 5, expected 0 in an empty bucket"),  # bucket 0 holds no day here
         ("report_day", 7, r"report_day = 7, expected -1 \(empty\), or a day d in bucket d % 30"),
     ],

@@ -67,6 +67,22 @@ def test_a_flush_is_one_transaction_ending_with_the_positions_and_counts_what_it
     assert metrics.get("txsentinel_events_dead_lettered_total") == 1
 
 
+def test_a_label_withdrawing_a_report_has_its_terminal_written_by_the_next_flush():
+    cfg = load_serve_config(None, overrides={"topic_prefix": "p-", "group_id": "g"}, env={})
+    writer = TerminalTableWriter(cfg, "unused:9092", Metrics())
+    featurizer, day_us = StreamingFeaturizer(), 20_000 * 86_400_000_000
+    writer._fold(featurizer, FeedRead(labels=[Label("E1", "A1", "T1", True, day_us)]), set())
+    changed = set()
+    withdrawals = [Label("E1", "A1", "T1", False, day_us + 1), Label("E2", "A2", "T9", False, day_us + 1)]
+    writer._fold(featurizer, FeedRead(labels=withdrawals), changed)
+    assert changed == {"T1"}  # T9 holds no report to withdraw: no record
+    producer = ScriptedProducer()
+    writer._flush(producer, featurizer, changed, [], Positions())
+    (written,) = [entry for entry in producer.log if entry[0] == "send" and entry[2] == "T1"]
+    assert written[3].endswith(featurizer.terminals.get_bytes("T1"))
+    assert featurizer.terminals.records["report_count"].sum() == 0
+
+
 def test_a_big_flush_pauses_between_chunks_in_its_one_transaction_unless_stopping(monkeypatch):
     cfg = load_serve_config(None, overrides={"topic_prefix": "p-", "group_id": "g"}, env={})
     writer = TerminalTableWriter(cfg, "unused:9092", Metrics())
@@ -137,8 +153,10 @@ def test_a_label_whose_fold_fails_is_rolled_back_and_set_aside_and_the_others_ar
     featurizer.terminal_journal = []
     fold = featurizer._fold_terminal_reports
 
-    def faulty(terminals, slots, days, events):
-        fold(terminals, slots, days, events)  # changes the state, then fails: the rollback must undo it
+    def faulty(terminals, slots, days, events, fraud):
+        fold(
+            terminals, slots, days, events, fraud
+        )  # changes the state, then fails: the rollback must undo it
         if "poison" in terminals:
             raise IndexError("a fault nobody foresaw")
 

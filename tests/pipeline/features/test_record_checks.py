@@ -13,7 +13,7 @@ from pipeline.data.generate import GenerateConfig, generate
 from pipeline.data.schema import MAX_AMOUNT
 from pipeline.features.definitions import DAY_US, RING_DAYS
 from pipeline.features.record_checks import record_fault, record_faults
-from pipeline.features.state import ACCOUNT_STATE, TERMINAL_STATE
+from pipeline.features.state import ACCOUNT_STATE, MAX_EPOCH_DAY, TERMINAL_STATE
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, LabelBatch, replay_batches
 
@@ -92,7 +92,7 @@ _event = st.tuples(
     st.integers(0, 86_399),
     _amounts,
 )
-_label = st.tuples(st.sampled_from(["t0", "t1", "t2"]), st.integers(0, 90), st.integers(0, 50))
+_label = st.tuples(st.sampled_from(["t0", "t1", "t2"]), st.integers(0, 90), st.integers(0, 50), st.booleans())
 
 
 @settings(max_examples=80, deadline=None)
@@ -107,12 +107,12 @@ def test_any_events_in_any_order_and_any_labels_fold_to_records_that_pass(batche
         accounts, terminals, days, seconds, amounts = zip(*batch, strict=True)
         featurizer.transform(events(accounts, terminals, np.asarray(days) + DAY, amounts, seconds))
         if labels:
-            terminals, days, event = zip(*labels, strict=True)
+            terminals, days, event, verdicts = zip(*labels, strict=True)
             featurizer.observe_labels(
                 LabelBatch(
                     list(terminals),
                     (np.asarray(days) + DAY) * DAY_US,
-                    np.ones(len(labels), dtype=bool),
+                    np.array(verdicts, dtype=bool),
                     [f"e{e}" for e in event],
                     ["a"] * len(labels),
                 )
@@ -121,6 +121,7 @@ def test_any_events_in_any_order_and_any_labels_fold_to_records_that_pass(batche
 
 
 def test_a_terminal_past_its_remembered_reports_keeps_its_bounds():
+    # Reports, repeats and withdrawals of 70 events, in any order.
     featurizer = StreamingFeaturizer()
     featurizer.transform(events(["a"], ["t"], [DAY], [3.0]))
     rng = np.random.default_rng(2)
@@ -130,7 +131,7 @@ def test_a_terminal_past_its_remembered_reports_keeps_its_bounds():
             LabelBatch(
                 ["t"] * n,
                 (DAY + rng.integers(0, 90, n)) * DAY_US,
-                np.ones(n, dtype=bool),
+                rng.random(n) < 0.8,
                 [f"e{i}" for i in rng.integers(0, 70, n)],
                 ["a"] * n,
             )
@@ -193,8 +194,13 @@ def _set_last_ts_a_day_back(r):
 
 
 def _swap_remembered(r):
-    r["reported_event"][[-1, -2]] = r["reported_event"][[-2, -1]]
-    r["reported_day"][[-1, -2]] = r["reported_day"][[-2, -1]]
+    for field in ("reported_event", "reported_day", "reported_verdict"):
+        r[field][[-1, -2]] = r[field][[-2, -1]]
+
+
+def _remember_later(r):  # the newest report a ring length later than the day its bucket holds
+    r["reported_day"][-1] += RING_DAYS
+    r["reported_verdict"][-1] += 2 * RING_DAYS
 
 
 def _empty(field):
@@ -248,10 +254,25 @@ def _empty(field):
             _terminal(_set("reported_event", 0, lambda r: -1)),
             r"reported_event = 0, expected 0 exactly in an empty place \(reported_day -1\)",
         ),
-        (_terminal(_swap_remembered), "reported_day = .*, expected -1 .* in \\(day, event\\) order"),
         (
-            _terminal(_set("reported_day", DAY + 9 + RING_DAYS, lambda r: -1)),
+            _terminal(_swap_remembered),
+            "reported_day = .*, expected -1 .* in strictly increasing \\(verdict, event\\) order",
+        ),
+        (
+            _terminal(_remember_later),
             f"reported_day = {DAY + 9 + RING_DAYS}, expected .* at most the day its bucket of the report ring holds",
+        ),
+        (
+            _terminal(_set("reported_verdict", 2 * DAY, lambda r: -1)),
+            f"reported_verdict = {2 * DAY}, expected -1 in an empty place, else at least 2 x reported_day",
+        ),
+        (
+            _terminal(_set("reported_verdict", 5, lambda r: 0)),
+            "reported_verdict = 5, expected -1 in an empty place",
+        ),
+        (
+            _terminal(_set("reported_verdict", 2 * MAX_EPOCH_DAY + 2, lambda r: -1)),
+            f"reported_verdict = {2 * MAX_EPOCH_DAY + 2}, expected 2 x an epoch day in 0..{MAX_EPOCH_DAY}",
         ),
     ],
 )
