@@ -77,7 +77,7 @@ def test_a_label_withdrawing_a_report_has_its_terminal_written_by_the_next_flush
     writer._fold(featurizer, FeedRead(labels=withdrawals), changed)
     assert changed == {"T1"}  # T9 holds no report to withdraw: no record
     producer = ScriptedProducer()
-    writer._flush(producer, featurizer, changed, [], Positions())
+    writer._flush(producer, featurizer, changed, [], Positions(), table_at=Positions())
     (written,) = [entry for entry in producer.log if entry[0] == "send" and entry[2] == "T1"]
     assert written[3].endswith(featurizer.terminals.get_bytes("T1"))
     assert featurizer.terminals.records["report_count"].sum() == 0
