@@ -38,7 +38,7 @@ class ServeStats:
     labels_applied: int = 0
     restored_terminals: int = 0  # terminal records read from the table, at start and after aborts
     terminal_deltas_applied: int = 0  # other instances' batches of terminal counts folded in
-    terminal_table_flushes: int = 0  # transactions of the table writer, while this instance ran it
+    terminal_table_flushes: int = 0  # the table writer's flushes (each 1+ transactions), while it ran here
     states_evicted: int = 0  # dormant accounts let go of beyond max_states_in_memory
     states_reloaded: int = 0  # dormant accounts read back from the changelog when they returned
     accounts_let_go: int = (

@@ -161,8 +161,8 @@ def _canonical(transactions: pl.DataFrame) -> pl.DataFrame:
         )
     # Timestamps without a zone are taken as UTC, the canonical zone.
     frame = conform(transactions.select(c for c in INPUT_COLUMNS if c in transactions.columns))
-    # The rules ingest and every dataset read hold rows to, which the service's decoder applies too: a row
-    # the service would dead-letter is not scored here either (an empty account id would merge histories).
+    # The rules ingest and every dataset read hold rows to (the service's decoder holds them too, within
+    # bounds of its own that may be tighter): an empty account id, say, would merge histories.
     repeated = pl.col("event_id").is_duplicated()
     rules = [
         *value_rules(frame.columns),

@@ -44,9 +44,8 @@ def load_model(uri: str) -> LoadedModel:
     if not uri.startswith(("models:/", "runs:/")):
         raise FileNotFoundError(f"model {uri!r}: not a local directory, nor a models:/ or runs:/ URI")
     configure_tracking(writes=False)
-    registered = registered_version(
-        uri
-    )  # opens the registry too  # an alias is resolved once: what is downloaded is what it named
+    # Opens the registry too. An alias is resolved once: what is downloaded is what it named.
+    registered = registered_version(uri)
     pinned = uri if registered is None else f"models:/{registered[0]}/{registered[1]}"
     downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=pinned))
     model = load_model_dir(_find_model_dir(downloaded, uri), source=uri)
