@@ -266,8 +266,8 @@ class BatchScorer:
         out.reloaded = len(returning)
 
     def _let_accounts_go(self, out: ScoredBatch) -> None:
-        """Past max_accounts_kept, the least recently written accounts out of memory go, a tombstone each
-        in this batch's transaction (and the challenger's too), so the changelog and a restore agree
+        """Past max_accounts_kept, the least recently written accounts out of memory go (at most ten an
+        event the batch may hold), a tombstone each in this batch's transaction (and the challenger's too), so the changelog and a restore agree
         (consumers/service/dormant.py). After scoring: every account of the batch is in memory then."""
         gone = self.dormant.let_go(self.scorer.accounts_in_memory, out.seq)
         if not gone:

@@ -78,14 +78,12 @@ class ScoredBatch:
     deltas_applied: int = 0  # other instances' terminal delta records folded in before the batch's events
     reloaded: int = 0  # dormant accounts' states read back from the changelog for this batch
     states_discarded: int = 0  # of those, records refused as corrupt: their accounts start from no history
-    accounts_let_go: int = (
-        0  # past max_accounts_kept: a changelog tombstone each (consumers/service/dormant.py)
-    )
+    # past max_accounts_kept: a changelog tombstone each (consumers/service/dormant.py)
+    accounts_let_go: int = 0
     unknown_fields: int = 0  # input messages with fields of no known name, ignored (unknown_fields: ignore)
     created_ms: list[float] = field(default_factory=list)  # the scored events' produce times (latency)
-    observed: list = field(
-        default_factory=list
-    )  # (features, scores, ts_us) per scorer call: drift, at commit
+    # (features, scores, ts_us) per scorer call: drift, at commit
+    observed: list = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds of main-thread work
     waited_s: float = 0.0  # for the previous batch's commit, before this one could be sent
     sent: list = field(default_factory=list)  # kafka-python's futures of `records`, once published

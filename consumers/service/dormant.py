@@ -19,12 +19,16 @@ record, so the place stays valid. That is ~190 bytes an account against 1.6-9.3 
 
 The accounts kept. Dormant accounts cost little each, but nothing else bounds their number: valid events
 each naming a new account id would grow `where` (and the changelog, and every restore) until the process
-is killed for memory. So past `max_accounts` accounts with a record (max_accounts_kept), a batch lets go
-of the least recently written ones out of memory, down to CAP_KEEP of it (a scan per tenth of the bound in
-new accounts, not one per batch), each with a tombstone in the batch's own transaction (let_go): the
-changelog deletes them too, and a restore, which reads the tombstones, agrees. They leave `where` at once,
-so no later batch reads them back; should the batch not commit, they are put back (put_back), as its
-tombstones never landed. An account let go that returns starts again from init_state, as a new one.
+is killed for memory. So past `max_accounts` accounts with a record (max_accounts_kept), the least
+recently written ones out of memory are let go, down to CAP_KEEP of it, each with a tombstone in the
+transaction of the batch that lets it go (let_go): the changelog deletes them too, and a restore, which
+reads the tombstones, agrees. One scan picks them (a scan per tenth of the bound in new accounts, not one
+per batch) into a queue that batches drain, at most `let_go_per_batch` a batch, so that a batch's
+transaction stays far inside its timeout however many there are (a restore onto more partitions can bring
+millions past the bound); a candidate written again or held in memory by the time its turn comes stays.
+They leave `where` when their batch takes them, so no later batch reads them back; should the batch not
+commit, they are put back (put_back), first in the queue again, as its tombstones never landed. An account
+let go that returns starts again from init_state, as a new one.
 `where` keeps the order its accounts' records were last written in (a restore: the order it read them), so
 its first entries are the least recently written.
 """
@@ -32,12 +36,20 @@ its first entries are the least recently written.
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
+
+from consumers.runtime.settings import ServeConfig
 
 Place = tuple[int, int]  # (changelog partition, offset)
 
 CAP_KEEP = 0.9  # past max_accounts, accounts are let go down to this share of it
+# Tombstones a batch carries at most, per record a poll may take (max_poll_records): 5,000 at the default
+# 500. They are sent one by one in the batch's transaction, ~15-30 us each (docs/bench-stream-log.md), twice
+# with a shadow changelog: ~0.15-0.3 s, far inside transaction_timeout_ms (30 s), where an unbounded let-go
+# of a million past the bound takes 30-60 s, and the broker aborts it, batch after batch. And each event
+# brings at most one new account, so letting go of ten an event outruns any flood of new ids.
+LET_GO_PER_POLLED_RECORD = 10
 LET_GO_LOG_EVERY_S = 60.0  # the let-go warning, at most this often (the first at once)
 
 log = logging.getLogger(__name__)
@@ -54,9 +66,12 @@ def changelog_places(records: Sequence, sent: Sequence, topic: str) -> dict[str,
 
 
 class DormantStates:
-    def __init__(self, capacity: int, max_accounts: int = 0):
+    def __init__(
+        self, capacity: int, max_accounts: int = 0, max_poll_records: int = ServeConfig.max_poll_records
+    ):
         """`capacity`: account states memory holds; `max_accounts`: max_accounts_kept, accounts with a record
-        kept in all (0: no bound), at least twice `capacity` so that a tenth of it is dormant to let go of."""
+        kept in all (0: no bound), at least twice `capacity` so that a tenth of it is dormant to let go of;
+        `max_poll_records`: the most events a batch holds, which sizes the accounts it lets go of."""
         if capacity < 1:
             raise ValueError(f"capacity = {capacity!r}: memory must hold at least one account state")
         if max_accounts and max_accounts < 2 * capacity:
@@ -67,13 +82,14 @@ class DormantStates:
             )
         self.capacity, self.max_accounts = capacity, max_accounts
         self.keep = math.ceil(max_accounts * CAP_KEEP)
+        self.let_go_per_batch = LET_GO_PER_POLLED_RECORD * max_poll_records
         self.where: dict[str, Place] = {}  # account -> its latest committed state record, least recent first
-        self.letting_go: dict[
-            int, dict[str, Place]
-        ] = {}  # batch seq -> accounts it deletes, until it commits
-        self.let_go_total = self.unlogged = (
-            0  # accounts let go (committed) since the start, since the warning
-        )
+        # (account, its place when picked): the candidates to let go, least recently written first
+        self.to_let_go: deque[tuple[str, Place]] = deque()
+        # batch seq -> accounts it deletes, until it commits
+        self.letting_go: dict[int, dict[str, Place]] = {}
+        # accounts let go (committed) since the start, since the warning
+        self.let_go_total = self.unlogged = 0
         self.logged_at = -math.inf  # time.monotonic() of the last warning
         self.recency: OrderedDict[str, int] = OrderedDict()  # account -> seq of the last batch it was in
         self.ends: dict[int, int] = {}  # changelog partition -> the offset after its last record known here
@@ -100,33 +116,49 @@ class DormantStates:
                 del self.letting_go[done]
 
     def let_go(self, in_memory: Collection[str], seq: int) -> dict[str, Place]:
-        """Past max_accounts, the least recently written accounts out of memory, down to `keep`: account ->
-        its record's place, for batch `seq` to write a tombstone each. Taken out of `where` now (module
-        docstring). Cheap when under the bound: a len."""
-        if not self.max_accounts or len(self.where) <= self.max_accounts:
+        """Past max_accounts, the least recently written accounts out of memory, down to `keep` and at most
+        `let_go_per_batch`: account -> its record's place, for batch `seq` to write a tombstone each. Taken
+        out of `where` now (module docstring). Cheap when under the bound and nothing is queued: a len."""
+        if not self.max_accounts or len(self.where) <= self.keep:
+            self.to_let_go.clear()  # down to `keep` another way (partitions left): the rest stay
             return {}
-        excess = len(self.where) - self.keep
+        if not self.to_let_go:
+            if len(self.where) <= self.max_accounts:
+                return {}
+            self._pick(in_memory)
         gone: dict[str, Place] = {}
-        for account, place in self.where.items():  # least recently written first
-            if account not in in_memory:  # held accounts are the recently active ones, and not dormant
+        wanted = min(self.let_go_per_batch, len(self.where) - self.keep)
+        while self.to_let_go and len(gone) < wanted:
+            account, place = self.to_let_go.popleft()
+            # written again since it was picked (its place moved, or it was deleted), or held now: it stays
+            if self.where.get(account) == place and account not in in_memory:
                 gone[account] = place
-                if len(gone) == excess:
-                    break
         for account in gone:
             del self.where[account]
         self.letting_go.setdefault(seq, {}).update(gone)
         return gone
 
+    def _pick(self, in_memory: Collection[str]) -> None:
+        """Queue the accounts to let go down to `keep`, the least recently written first: one scan of
+        `where` (~0.5 us an account picked) for the batches that follow."""
+        excess = len(self.where) - self.keep
+        for account, place in self.where.items():  # least recently written first
+            if account not in in_memory:  # held accounts are the recently active ones, and not dormant
+                self.to_let_go.append((account, place))
+                if len(self.to_let_go) == excess:
+                    break
+
     def put_back(self) -> set[int]:
         """After an abort: the accounts the uncommitted batches were letting go are kept again (their
         tombstones did not land, unless a commit landed after all: read the changelog tail of the
-        partitions returned, which holds them then)."""
+        partitions returned, which holds them then), and are the first candidates again."""
         back: dict[str, Place] = {}
         for gone in self.letting_go.values():
             back.update(gone)
         self.letting_go.clear()
         if back:  # first again, as the least recently written (a copy of `where`: aborts are rare)
             self.where = {**back, **self.where}
+            self.to_let_go.extendleft(reversed(back.items()))
         return {partition for partition, _ in back.values()}
 
     def count_let_go(self, accounts: int, now: float | None = None) -> None:
@@ -189,3 +221,4 @@ class DormantStates:
                 del gone[account]
         for partition in partitions:
             self.ends.pop(partition, None)
+        self.to_let_go.clear()  # the next let_go picks again from what stays, if still past the bound

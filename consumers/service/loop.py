@@ -143,7 +143,8 @@ class _Service(Restore, Transactions, Bookkeeping):
         # room for the two batches not yet committed.
         capacity = self.scorer.states_within(cfg.max_states_in_memory, cfg.max_state_bytes_in_memory)
         self.scorer.store.row_limit = capacity + 2 * cfg.max_poll_records
-        self.dormant = DormantStates(capacity, cfg.max_accounts_kept)  # refuses a bound below twice capacity
+        # refuses a bound below twice capacity
+        self.dormant = DormantStates(capacity, cfg.max_accounts_kept, cfg.max_poll_records)
         self.shadow = None if shadow is None else ShadowSide(cfg, self.scorer, capacity)
         log.info(
             "state memory cap accounts=%d bytes_per_account=%d (max_states_in_memory=%d max_state_bytes_in_memory=%d)",

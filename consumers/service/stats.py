@@ -41,9 +41,8 @@ class ServeStats:
     terminal_table_flushes: int = 0  # the table writer's flushes (each 1+ transactions), while it ran here
     states_evicted: int = 0  # dormant accounts let go of beyond max_states_in_memory
     states_reloaded: int = 0  # dormant accounts read back from the changelog when they returned
-    accounts_let_go: int = (
-        0  # past max_accounts_kept, deleted from the changelog: they start again if they return
-    )
+    # past max_accounts_kept, deleted from the changelog: they start again if they return
+    accounts_let_go: int = 0
     states_discarded: int = 0  # account state records refused as corrupt (restore or read back)
     unknown_fields: int = 0  # input messages with fields of no known name, read all the same
     terminals_capped: int = 0  # let go of before they were idle, beyond max_terminals_in_memory

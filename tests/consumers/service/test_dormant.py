@@ -91,3 +91,61 @@ def test_a_bound_below_twice_what_memory_holds_is_refused():
     with pytest.raises(ValueError, match=r"max_accounts_kept = 5: expected 0 .* at least twice the 3"):
         DormantStates(3, max_accounts=5)
     assert DormantStates(3, max_accounts=0).let_go(set(), seq=1) == {}  # 0: no bound
+
+
+def _places(accounts: range) -> dict:
+    return {f"a{i}": (i % 4, i) for i in accounts}
+
+
+def _drain(dormant: DormantStates, seq: int, new: range = range(0)) -> int:
+    """One batch: let go, its new accounts, its commit; the accounts it let go."""
+    gone = dormant.let_go(set(), seq)
+    dormant.committed({**dict.fromkeys(gone), **_places(new)}, seq)
+    return len(gone)
+
+
+def test_a_batch_lets_go_of_at_most_ten_accounts_an_event_and_batches_drain_one_scan_down_to_nine_tenths():
+    # A restore onto more partitions: twice the tenth past the bound at once, ~20,000 tombstones to write
+    dormant = DormantStates(capacity=10, max_accounts=100_000)  # max_poll_records: the default 500
+    dormant.committed(_places(range(110_001)))
+    assert dormant.let_go_per_batch == 5_000
+    assert _drain(dormant, seq=1) == 5_000 and len(dormant.to_let_go) == 15_001  # one scan, for later batches
+    assert [_drain(dormant, seq) for seq in range(2, 7)] == [5_000, 5_000, 5_000, 1, 0]
+    assert len(dormant.where) == 90_000 and not dormant.to_let_go
+    # A flood: every event of every batch a new account; the batches still keep the bound
+    counts, new = [], 110_001
+    for seq in range(7, 80):
+        assert _drain(dormant, seq, range(new, new + 500)) <= 5_000
+        counts.append(len(dormant.where))
+        new += 500
+    assert max(counts) <= 100_000 + 500 and min(counts[20:]) < 95_000  # let go of, down towards 90,000
+
+
+def test_a_queued_account_written_again_deleted_or_held_in_memory_by_its_turn_stays():
+    dormant = DormantStates(capacity=1, max_accounts=10, max_poll_records=1)  # 10 a batch
+    dormant.committed(_places(range(30)))  # 21 past keep (9): a0-a20 queued
+    assert list(dormant.let_go(set(), seq=1)) == [f"a{i}" for i in range(10)]
+    dormant.committed({"a10": (2, 30), "a11": None}, seq=1)  # a10 written again (the newest now), a11 deleted
+    gone = dormant.let_go(in_memory={"a12"}, seq=2)
+    assert list(gone) == [f"a{i}" for i in range(13, 21)] and not dormant.to_let_go
+    assert {"a10", "a12"} <= set(dormant.where)
+
+
+def test_an_abort_puts_the_accounts_back_first_in_the_queue_and_the_next_batch_lets_them_go_again():
+    dormant = DormantStates(capacity=1, max_accounts=10, max_poll_records=1)
+    dormant.committed(_places(range(30)))
+    first = dormant.let_go(set(), seq=1)
+    second = dormant.let_go(set(), seq=2)  # both uncommitted when the abort comes
+    assert dormant.put_back() == {0, 1, 2, 3} and list(dormant.where)[:20] == [*first, *second]
+    assert dormant.let_go(set(), seq=3) == first and dormant.let_go(set(), seq=4) == second
+    assert len(dormant.let_go(set(), seq=5)) == 1 and len(dormant.where) == 9
+
+
+def test_accounts_queued_to_go_leave_with_their_partitions_and_those_left_are_picked_again():
+    dormant = DormantStates(capacity=1, max_accounts=10, max_poll_records=1)
+    dormant.committed(_places(range(40)))
+    dormant.let_go(set(), seq=1)  # a0-a9; a10-a30 queued
+    dormant.drop_partitions({0})  # 23 stay, past the bound: picked again from them
+    assert not dormant.to_let_go and _drain(dormant, seq=2) == 10 and len(dormant.to_let_go) == 4
+    dormant.drop_partitions({1, 2})  # 5 stay, under nine tenths: the rest stay
+    assert dormant.let_go(set(), seq=3) == {} and len(dormant.where) == 5

@@ -302,7 +302,8 @@ def test_a_committed_batch_notes_its_tombstones_and_counts_the_accounts_it_let_g
 
 
 def test_a_rewind_keeps_the_accounts_its_batches_were_letting_go_and_reads_their_partitions_tail(monkeypatch):
-    service, _ = make_service([], max_states_in_memory=1, max_accounts_kept=2)
+    service, _ = make_service([], max_states_in_memory=1, max_accounts_kept=2, max_poll_records=3)
+    assert service.dormant.let_go_per_batch == 30  # ten an event a batch may hold
     service.assigned = {0, 1}
     tails = []
     monkeypatch.setattr(
@@ -315,6 +316,7 @@ def test_a_rewind_keeps_the_accounts_its_batches_were_letting_go_and_reads_their
     # x's tombstone may have landed after all: partition 1 is read past what is known, as 0 is
     assert tails == [{0: 4, 1: 5}] and list(service.dormant.where) == ["x", "y", "z"]
     assert service.to_seek == {0}
+    assert service.dormant.let_go(set(), seq=2) == {"x": (1, 4)}  # the next batch lets it go again
 
 
 def _features(**values):
