@@ -332,7 +332,7 @@ class FeedReader:
             raise MessageError(
                 f"field 'label_ts': {format_ts(label.label_ts_us)} is more than a day and max_ts_skew_s = "
                 f"{self.limits.max_ts_skew_s:g} s after this instance's clock ({format_ts(now_us)}), and its "
-                f"record's timestamp ({format_ts(sent_ms * 1000)}) is a day ahead too: forged, or from a broken "
+                f"record's timestamp ({_shown_ts(sent_ms * 1000)}) is a day ahead too: forged, or from a broken "
                 "clock. Held until its day, it would hold every later label of its partition"
             )
         return label
@@ -378,6 +378,15 @@ class FeedReader:
             except MessageError as error:  # its events are missing from the terminal counts from now on
                 log.warning("skipped a terminal delta record error=%s", error)
                 out.bad.append((record, error))
+
+
+def _shown_ts(ts_us: int) -> str:
+    """format_ts, or the milliseconds since the epoch of a time it cannot print (past year 9999): a record's
+    timestamp is any long its producer chose (a label_ts is before 2100, a reader's clock is printable)."""
+    try:
+        return format_ts(ts_us)
+    except (ValueError, OverflowError, OSError):
+        return f"{ts_us // 1000} ms since the epoch"
 
 
 def label_batch(labels: list[Label]) -> LabelBatch:

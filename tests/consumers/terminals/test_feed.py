@@ -229,6 +229,17 @@ def test_a_label_a_day_ahead_of_the_clock_is_refused_rather_than_held_for_days(c
     assert "more than a day and max_ts_skew_s = 3600 s after this instance's clock" in str(got.bad[0][1])
 
 
+def test_a_label_refused_for_a_record_timestamped_past_year_9999_names_its_timestamp(clock):
+    # The refusal's reason, not a failure of the decoder: datetime cannot print a year past 9999.
+    clock.now = DAY * DAY_US + 12 * HOUR_US
+    sent_ms = 253_402_300_800_000  # 10000-01-01T00:00:00Z
+    log = records([Label("E1", "A1", "T1", True, clock.now + 3 * DAY_US)], [sent_ms * 1000])
+    got = reader(log).read(to_high_watermark=True)
+    assert got.labels == [] and [record.offset for record, _ in got.bad] == [0]
+    why = str(got.bad[0][1])
+    assert "more than a day and max_ts_skew_s" in why and f"{sent_ms} ms since the epoch" in why, why
+
+
 def test_a_label_record_without_a_timestamp_is_refused():
     label = Label("E1", "A1", "T1", True, DAY * DAY_US)
     log = [Record(LABELS.topic, 0, 0, b"A1", encode_label(label), -1)]
