@@ -158,7 +158,8 @@ class FeedReader:
         requests in order, and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets
         request would wait too. `limits`: what a valid label is (ServeConfig's message settings; default
         MessageLimits()). `lost_position`, `on_lost(records)`: what a position that left its log does;
-        `on_held()`: a label starts waiting for its day (module docstring)."""
+        `on_held()`: a label starts waiting for its day (module docstring), once per label however often a seek
+        has it read again."""
         if lost_position not in ("fail", "earliest"):
             raise ValueError(f"lost_position = {lost_position!r}, expected 'fail' or 'earliest'")
         self.consumer, self.offsets, self.timeout_s = consumer, offsets, timeout_s
@@ -167,6 +168,8 @@ class FeedReader:
         self.records_lost = 0  # skipped under lost_position 'earliest', since the start
         # labels partitions paused at a label dated on a day to come: {partition: (its offset, its day)}
         self.held: dict[TopicPartition, tuple[int, int]] = {}
+        # the offset of the last label held per partition: one held again after a seek is not a new hold
+        self.held_at: dict[TopicPartition, int] = {}
         self.unknown: UnknownFields | None = None  # counts labels with fields of no known name, when set
         self.poll_records = 500  # records a poll brings at most (its readers set poll_records())
         self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
@@ -343,6 +346,9 @@ class FeedReader:
         self.consumer.seek(tp, record.offset)
         self.consumer.pause(tp)
         self.held[tp] = (record.offset, label.label_ts_us // DAY_US)
+        if self.held_at.get(tp) == record.offset:
+            return  # read again after a seek (a scorer's aborted batch): counted and logged the first time
+        self.held_at[tp] = record.offset
         if self.on_held is not None:
             self.on_held()
         log.warning(

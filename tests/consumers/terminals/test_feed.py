@@ -15,6 +15,7 @@ from consumers.scoring.message_limits import MessageLimits
 from consumers.scoring.messages import Label, encode_label
 from consumers.terminals import feed as feed_module
 from consumers.terminals.feed import FeedReader
+from consumers.terminals.table import Positions
 from pipeline.features import batch
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, replay_batches
@@ -186,6 +187,18 @@ def test_a_held_partition_keeps_its_earlier_labels_and_its_later_ones_wait_with_
     got = feed.read(to_high_watermark=True)
     assert got.labels == [ahead, today[1]] and got.label_records == log[2:]
     assert feed.positions().labels == {0: 4} and feed.held == {}
+
+
+def test_a_held_label_read_again_after_a_seek_is_counted_once(clock):
+    # A scorer's aborted batch seeks the feed back: the same label is held again, and is still one hold.
+    clock.now = MIDNIGHT - HOUR_US // 2
+    ahead = Label("E9", "A1", "T2", True, MIDNIGHT + 10 * 60 * SECOND_US)
+    held = []
+    feed = reader(records([ahead], [clock.now]), held)
+    for _ in range(3):
+        assert feed.read().labels == [] and feed.held
+        feed.seek(Positions(labels={0: 0}, deltas={0: 0}))
+    assert held == [1]
 
 
 # -- every reader decides alike ----------------------------------------------------------------------------
