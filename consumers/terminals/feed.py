@@ -16,8 +16,8 @@ Two ways to read (FeedReader.read):
 A label's time is judged the same way by every reader: the scorers and the table writer each read every
 label, so what one does with it must not depend on whose clock reads it.
 - It is refused when its label_ts is more than max_ts_skew_s after the timestamp of its Kafka record
-  (decode_label): the broker's when the topic stamps its records (message.timestamp.type LogAppendTime),
-  else its producer's, which the broker takes only within message.timestamp.after.max.ms (an hour by
+  (decode_label): the broker's when the topic stamps its records (message.timestamp.type LogAppendTime, as
+  the service creates `labels`: consumers/runtime/topics.py), else its producer's, which the broker takes only within message.timestamp.after.max.ms (an hour by
   default) of its own clock. Every reader sees the same record, so every reader refuses it, or none does.
 - A fraud label dated on a day this reader's clock has not reached waits (its partition is paused and sought
   back to it), and is folded with the labels after it once the day comes. Folded at once, it would take the day-ring
@@ -31,8 +31,9 @@ label, so what one does with it must not depend on whose clock reads it.
   at most message.timestamp.after.max.ms after the broker's clock, waits for the reader's next midnight at
   the latest. A label more than a day and max_ts_skew_s after this reader's clock, which only a record
   timestamped a day ahead can carry (forged, or from a broken clock the broker was set to take), is refused
-  instead of holding its partition that long: the one verdict a reader's clock gives, and never on a record
-  the broker takes with its defaults.
+  instead of holding its partition that long: the one verdict a reader's clock gives, never on a record the
+  broker takes with its defaults, nor on one it stamps (LogAppendTime): a defence for a topic created
+  otherwise.
 
 A position that has left its log (the writer was down longer than the deltas' retention, or labels were
 deleted unread) is never skipped unsaid: with `lost_feed_position: fail` (the default) the read raises
