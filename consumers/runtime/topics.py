@@ -1,6 +1,7 @@
 """The scoring service's topics: created when missing, refused when their partition counts break the design.
 
-`transactions`, `scores`, `alerts`, `dead-letter`, `labels`: plain topics. The account-state changelog:
+`transactions`, `scores`, `alerts`, `dead-letter`: plain topics. `labels`: stamped with the broker's time
+(LABELS_CONFIG). The account-state changelog:
 compacted, as many partitions as `transactions`. The terminal table: compacted, one partition. The terminal
 deltas: as many partitions as `transactions`, time retention (consumers/terminals/table.py).
 """
@@ -22,6 +23,11 @@ log = logging.getLogger(__name__)
 # retention. Segments roll hourly (the default is a week or 1 GiB): the cleaner compacts only closed
 # segments, and a restore reads everything not compacted yet (superseded states, tombstoned journal records).
 COMPACTED_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1", "segment.ms": str(60 * 60 * 1000)}
+
+# A label is judged by its record's timestamp (consumers/terminals/feed.py): the broker's append time, so a
+# label_ts is at most max_ts_skew_s after the broker's clock, whatever the producer's clock says, and a label
+# waits for its day a day at most. A labels topic created elsewhere: docs/operations.md, Labels' time.
+LABELS_CONFIG = {"message.timestamp.type": "LogAppendTime"}
 
 
 def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
@@ -59,7 +65,7 @@ def ensure_topics(cfg: ServeConfig, bootstrap: str) -> int:
             )
         labels = cfg.topic("labels")
         if labels not in existing:
-            _create(admin, labels, partitions, cfg.replication_factor, {})
+            _create(admin, labels, partitions, cfg.replication_factor, LABELS_CONFIG)
         deltas = cfg.topic("terminal_deltas")
         if deltas not in existing:
             retention = {"cleanup.policy": "delete", "retention.ms": str(cfg.terminal_deltas_retention_ms)}

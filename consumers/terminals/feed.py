@@ -16,8 +16,8 @@ Two ways to read (FeedReader.read):
 A label's time is judged the same way by every reader: the scorers and the table writer each read every
 label, so what one does with it must not depend on whose clock reads it.
 - It is refused when its label_ts is more than max_ts_skew_s after the timestamp of its Kafka record
-  (decode_label): the broker's when the topic stamps its records (message.timestamp.type LogAppendTime),
-  else its producer's, which the broker takes only within message.timestamp.after.max.ms (an hour by
+  (decode_label): the broker's when the topic stamps its records (message.timestamp.type LogAppendTime, as
+  the service creates `labels`: consumers/runtime/topics.py), else its producer's, which the broker takes only within message.timestamp.after.max.ms (an hour by
   default) of its own clock. Every reader sees the same record, so every reader refuses it, or none does.
 - A fraud label dated on a day this reader's clock has not reached waits (its partition is paused and sought
   back to it), and is folded with the labels after it once the day comes. Folded at once, it would take the day-ring
@@ -31,8 +31,9 @@ label, so what one does with it must not depend on whose clock reads it.
   at most message.timestamp.after.max.ms after the broker's clock, waits for the reader's next midnight at
   the latest. A label more than a day and max_ts_skew_s after this reader's clock, which only a record
   timestamped a day ahead can carry (forged, or from a broken clock the broker was set to take), is refused
-  instead of holding its partition that long: the one verdict a reader's clock gives, and never on a record
-  the broker takes with its defaults.
+  instead of holding its partition that long: the one verdict a reader's clock gives, never on a record the
+  broker takes with its defaults, nor on one it stamps (LogAppendTime): a defence for a topic created
+  otherwise.
 
 A position that has left its log (the writer was down longer than the deltas' retention, or labels were
 deleted unread) is never skipped unsaid: with `lost_feed_position: fail` (the default) the read raises
@@ -158,7 +159,8 @@ class FeedReader:
         requests in order, and behind a fetch waiting for data (up to fetch_max_wait_ms) an end-offsets
         request would wait too. `limits`: what a valid label is (ServeConfig's message settings; default
         MessageLimits()). `lost_position`, `on_lost(records)`: what a position that left its log does;
-        `on_held()`: a label starts waiting for its day (module docstring)."""
+        `on_held()`: a label starts waiting for its day (module docstring), once per label however often a seek
+        has it read again."""
         if lost_position not in ("fail", "earliest"):
             raise ValueError(f"lost_position = {lost_position!r}, expected 'fail' or 'earliest'")
         self.consumer, self.offsets, self.timeout_s = consumer, offsets, timeout_s
@@ -167,6 +169,8 @@ class FeedReader:
         self.records_lost = 0  # skipped under lost_position 'earliest', since the start
         # labels partitions paused at a label dated on a day to come: {partition: (its offset, its day)}
         self.held: dict[TopicPartition, tuple[int, int]] = {}
+        # the offset of the last label held per partition: one held again after a seek is not a new hold
+        self.held_at: dict[TopicPartition, int] = {}
         self.unknown: UnknownFields | None = None  # counts labels with fields of no known name, when set
         self.poll_records = 500  # records a poll brings at most (its readers set poll_records())
         self.labels_topic, self.deltas_topic = labels_topic, deltas_topic
@@ -332,7 +336,7 @@ class FeedReader:
             raise MessageError(
                 f"field 'label_ts': {format_ts(label.label_ts_us)} is more than a day and max_ts_skew_s = "
                 f"{self.limits.max_ts_skew_s:g} s after this instance's clock ({format_ts(now_us)}), and its "
-                f"record's timestamp ({format_ts(sent_ms * 1000)}) is a day ahead too: forged, or from a broken "
+                f"record's timestamp ({_shown_ts(sent_ms * 1000)}) is a day ahead too: forged, or from a broken "
                 "clock. Held until its day, it would hold every later label of its partition"
             )
         return label
@@ -343,6 +347,9 @@ class FeedReader:
         self.consumer.seek(tp, record.offset)
         self.consumer.pause(tp)
         self.held[tp] = (record.offset, label.label_ts_us // DAY_US)
+        if self.held_at.get(tp) == record.offset:
+            return  # read again after a seek (a scorer's aborted batch): counted and logged the first time
+        self.held_at[tp] = record.offset
         if self.on_held is not None:
             self.on_held()
         log.warning(
@@ -378,6 +385,15 @@ class FeedReader:
             except MessageError as error:  # its events are missing from the terminal counts from now on
                 log.warning("skipped a terminal delta record error=%s", error)
                 out.bad.append((record, error))
+
+
+def _shown_ts(ts_us: int) -> str:
+    """format_ts, or the milliseconds since the epoch of a time it cannot print (past year 9999): a record's
+    timestamp is any long its producer chose (a label_ts is before 2100, a reader's clock is printable)."""
+    try:
+        return format_ts(ts_us)
+    except (ValueError, OverflowError, OSError):
+        return f"{ts_us // 1000} ms since the epoch"
 
 
 def label_batch(labels: list[Label]) -> LabelBatch:

@@ -23,7 +23,8 @@ Tombstones beyond FLUSH_RECORDS go first, in transactions of their own that end 
 already has: after each, the table is the fold of everything before those positions, less the terminals let go
 so far.
 A failed run (broker away, fenced) is logged and started again after a pause, from the table. On stop it
-drains what has arrived and flushes (a writer that is behind flushes what it has folded).
+drains what has arrived and flushes (a writer that is behind, its polls full for longer than READ_EVERY_S,
+flushes what it has folded).
 """
 
 import logging
@@ -62,7 +63,8 @@ DRAIN_TIMEOUT_S = 10.0  # on stop; what is not drained by then stays in the topi
 # took: the writer then holds at most a quarter of the interpreter while it flushes. Each record costs ~30 us
 # of kafka-python's send, so thousands of terminals in one go would stall the scorer sharing the process
 # (p99 latency at 3,000 events/s: ~125 ms with unpaced flushes, ~90 ms with no writer in the process).
-# A writer that is behind (its last poll came back full) does not pause: pausing would only keep it behind.
+# A writer that is behind (its polls have come back full for longer than READ_EVERY_S: _lag) does not pause:
+# pausing would only keep it behind.
 FLUSH_CHUNK = 100
 PAUSE_PER_BUSY = 3.0
 # Records of one transaction, about: the changed terminals and dead letters folded since the last flush
@@ -178,7 +180,8 @@ class TerminalTableWriter:
             bad: list = []
             last_flush = time.monotonic()
             stopping = stop.is_set()
-            behind = False  # the last poll came back full: more is waiting
+            full_since = None  # when the polls began to come back full, while they do
+            behind = False  # they have for longer than READ_EVERY_S: the writer is not keeping up
             while True:
                 self.probes.beat()
                 # Stopping: everything committed so far, this instance's last batch included, then a flush;
@@ -187,7 +190,7 @@ class TerminalTableWriter:
                 self._fold(featurizer, got, changed)
                 self._cap(featurizer, capped)  # at once, not at the flush: the fold may have brought a flood
                 bad += got.bad
-                behind = got.full
+                full_since, behind = _lag(full_since, got.full)
                 due = time.monotonic() - last_flush >= cfg.terminal_table_flush_s
                 if stopping or due or len(changed) + len(bad) >= FLUSH_RECORDS:
                     read_to = feed.positions()
@@ -201,7 +204,7 @@ class TerminalTableWriter:
                     last_flush = time.monotonic()
                 if stopping:
                     return
-                stopping = stop.wait(0 if behind else min(READ_EVERY_S, cfg.terminal_table_flush_s))
+                stopping = stop.wait(0 if got.full else min(READ_EVERY_S, cfg.terminal_table_flush_s))
         finally:
             for name, close in (
                 ("producer", lambda: producer.close(timeout=5)),
@@ -300,6 +303,19 @@ class TerminalTableWriter:
             len(gone),
             len(bad),
         )
+
+
+def _lag(full_since: float | None, full: bool) -> tuple[float | None, bool]:
+    """(when the polls began to come back full, or None; whether the writer is behind) after a poll.
+
+    A full poll alone is not a backlog: more than a poll's records arrive in READ_EVERY_S whenever the feed
+    brings more than poll_records() a second (one delta per scored batch per instance), and the polls right
+    after catch up. Only polls full for longer than READ_EVERY_S say the writer reads slower than the feed."""
+    if not full:
+        return None, False
+    now = time.monotonic()
+    since = now if full_since is None else full_since
+    return since, now - since > READ_EVERY_S
 
 
 def run_writer(cfg: ServeConfig, bootstrap: str, stop_event: threading.Event | None = None) -> WriterStats:

@@ -37,6 +37,12 @@ def test_missing_topics_are_created_compacted_where_state_lives(kafka_bootstrap)
             partitions, settings = topic_settings(kafka_bootstrap, cfg.topic(name))
             # Only settings given at creation come back: plain topics keep the broker's default (delete).
             assert partitions == 4 and "cleanup.policy" not in settings, name
+        # Labels carry the broker's time: every label_ts is bounded by the broker's clock, not a producer's.
+        assert (
+            topic_settings(kafka_bootstrap, cfg.topic("labels"))[1]["message.timestamp.type"]
+            == "LogAppendTime"
+        )
+        assert "message.timestamp.type" not in topic_settings(kafka_bootstrap, cfg.topic("transactions"))[1]
         assert ensure_topics(cfg, kafka_bootstrap) == 4  # a second start finds them all
 
 

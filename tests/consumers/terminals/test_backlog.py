@@ -7,6 +7,7 @@ tests/integration/test_service_labels.py."""
 import threading
 import time
 from collections import namedtuple
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -83,10 +84,12 @@ class ScriptedProducer:
         pass
 
 
-def writer_over(monkeypatch, n: int) -> tuple[TerminalTableWriter, BacklogConsumer, ScriptedProducer]:
-    """A writer whose feed holds `n` labels and whose table is empty."""
+def writer_over(
+    monkeypatch, n: int, feed=BacklogConsumer
+) -> tuple[TerminalTableWriter, BacklogConsumer, ScriptedProducer]:
+    """A writer whose feed (`feed`, a BacklogConsumer) holds `n` labels and whose table is empty."""
     cfg = load_serve_config(None, overrides={"topic_prefix": "p-", "group_id": "g"}, env={})
-    consumer, producer = BacklogConsumer(cfg.topic("labels"), n), ScriptedProducer()
+    consumer, producer = feed(cfg.topic("labels"), n), ScriptedProducer()
     monkeypatch.setattr(terminal_writer, "KafkaProducer", lambda **settings: producer)
     offsets = SimpleNamespace(watermarks=consumer, close=lambda: None)
     monkeypatch.setattr(terminal_writer.Reader, "connect", lambda *args, **settings: offsets)
@@ -132,6 +135,8 @@ def test_a_backlog_is_read_poll_after_poll_not_one_poll_a_second(monkeypatch):
 
 def test_a_backlog_is_flushed_in_bounded_transactions_each_holding_what_its_positions_say(monkeypatch):
     monkeypatch.setattr(terminal_writer, "FLUSH_RECORDS", 100)
+    # Behind: its polls full for longer than READ_EVERY_S (this backlog is read in well under a second).
+    monkeypatch.setattr(terminal_writer, "READ_EVERY_S", 0.0)
     paces = []
     monkeypatch.setattr(terminal_writer.time, "sleep", lambda s: paces.append(s))
     writer, consumer, producer = writer_over(monkeypatch, 1_000)
@@ -147,6 +152,54 @@ def test_a_backlog_is_flushed_in_bounded_transactions_each_holding_what_its_posi
         assert held == {f"T{i}" for i in range(positions.labels[0])}
     assert len(producer.transactions) >= 10 and positions.labels[0] == 1_000
     assert paces == []  # behind, a writer does not pause between chunks
+
+
+class SteadyConsumer(BacklogConsumer):
+    """The backlog's labels arriving steadily, `rate` a second from its creation, none waiting at first."""
+
+    rate = 60.0  # e.g. 3 instances scoring 20 batches a second: a delta each, more than a poll a second
+
+    def __init__(self, labels_topic: str, n: int):
+        super().__init__(labels_topic, n)
+        self.started = time.monotonic()
+
+    def arrived(self) -> int:
+        return min(len(self.records), int((time.monotonic() - self.started) * self.rate))
+
+    def end_offsets(self, tps):
+        return {tp: self.arrived() if tp == self.labels else 0 for tp in tps}
+
+    def poll(self, timeout_ms=0, max_records=500):
+        start = self.at[self.labels]
+        got = self.records[start : min(self.arrived(), start + max_records)]
+        self.at[self.labels] = start + len(got)
+        return {self.labels: got} if got else {}
+
+
+def test_a_writer_keeping_up_with_steady_arrivals_paces_its_flushes_and_drains_on_stop(monkeypatch):
+    # More than a poll's records arrive each READ_EVERY_S, so the first poll after each wait comes back full;
+    # the polls after it catch up at once: the writer is not behind, and its flushes spare the scorer.
+    writer, consumer, producer = writer_over(monkeypatch, 1_000, SteadyConsumer)
+    writer.cfg = replace(writer.cfg, terminal_table_flush_s=1.0)
+    assert consumer.rate > poll_records(writer.cfg.max_poll_records) / terminal_writer.READ_EVERY_S
+    flushes = []
+    transaction = TerminalTableWriter._transaction
+    monkeypatch.setattr(
+        TerminalTableWriter, "_transaction", lambda self, p, records, paced: (
+            flushes.append(paced), transaction(self, p, records, paced)
+        ),
+    )  # fmt: skip
+    stop, failed = threading.Event(), []
+    thread = threading.Thread(target=lambda: _capture(failed, writer._run, stop))
+    thread.start()
+    stop.wait(3.5)
+    arrived = consumer.arrived()
+    stop.set()
+    thread.join(30)
+    assert not failed, failed
+    assert len(flushes) >= 3 and all(flushes[:-1]), flushes  # the last one, stopping, goes at once
+    last = decode_positions(producer.transactions[-1][-1][2], "p-labels", "p-terminal-deltas")
+    assert last.labels[0] >= arrived  # stopping, it read what had arrived
 
 
 def flush_tombstones(monkeypatch, tombstones: int) -> list[list]:

@@ -15,6 +15,7 @@ from consumers.scoring.message_limits import MessageLimits
 from consumers.scoring.messages import Label, encode_label
 from consumers.terminals import feed as feed_module
 from consumers.terminals.feed import FeedReader
+from consumers.terminals.table import Positions
 from pipeline.features import batch
 from pipeline.features.stream import StreamingFeaturizer
 from pipeline.features.stream_batches import EventBatch, replay_batches
@@ -188,6 +189,18 @@ def test_a_held_partition_keeps_its_earlier_labels_and_its_later_ones_wait_with_
     assert feed.positions().labels == {0: 4} and feed.held == {}
 
 
+def test_a_held_label_read_again_after_a_seek_is_counted_once(clock):
+    # A scorer's aborted batch seeks the feed back: the same label is held again, and is still one hold.
+    clock.now = MIDNIGHT - HOUR_US // 2
+    ahead = Label("E9", "A1", "T2", True, MIDNIGHT + 10 * 60 * SECOND_US)
+    held = []
+    feed = reader(records([ahead], [clock.now]), held)
+    for _ in range(3):
+        assert feed.read().labels == [] and feed.held
+        feed.seek(Positions(labels={0: 0}, deltas={0: 0}))
+    assert held == [1]
+
+
 # -- every reader decides alike ----------------------------------------------------------------------------
 
 
@@ -227,6 +240,17 @@ def test_a_label_a_day_ahead_of_the_clock_is_refused_rather_than_held_for_days(c
     assert [label.event_id for label in got.labels] == ["E2"] and held == []
     assert [record.offset for record, _ in got.bad] == [0]
     assert "more than a day and max_ts_skew_s = 3600 s after this instance's clock" in str(got.bad[0][1])
+
+
+def test_a_label_refused_for_a_record_timestamped_past_year_9999_names_its_timestamp(clock):
+    # The refusal's reason, not a failure of the decoder: datetime cannot print a year past 9999.
+    clock.now = DAY * DAY_US + 12 * HOUR_US
+    sent_ms = 253_402_300_800_000  # 10000-01-01T00:00:00Z
+    log = records([Label("E1", "A1", "T1", True, clock.now + 3 * DAY_US)], [sent_ms * 1000])
+    got = reader(log).read(to_high_watermark=True)
+    assert got.labels == [] and [record.offset for record, _ in got.bad] == [0]
+    why = str(got.bad[0][1])
+    assert "more than a day and max_ts_skew_s" in why and f"{sent_ms} ms since the epoch" in why, why
 
 
 def test_a_label_record_without_a_timestamp_is_refused():
