@@ -28,7 +28,7 @@ from pipeline.data.splits import Period, dataset_days
 from pipeline.evaluation.plots import SCORES_ARTIFACT
 from pipeline.evaluation.protocol import budget_curve, card_precision_at_k
 from pipeline.evaluation.report_plots import line_plot, scatter_plot
-from pipeline.registry.tracking_store import unwritable_tracking
+from pipeline.registry.tracking_store import described_tracking, unwritable_tracking
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _model_runs(client: MlflowClient, experiment: str) -> list:
     if found is None:
         names = sorted(e.name for e in client.search_experiments())
         raise ValueError(
-            f"no MLflow experiment {experiment!r} in {mlflow.get_tracking_uri()} (it has {names}); "
+            f"no MLflow experiment {experiment!r} in the {described_tracking()[0]} (it has {names}); "
             "train a model first (`txsentinel train`) or set MLFLOW_TRACKING_URI to the store that has it"
         )
     runs, token = [], None

@@ -115,14 +115,14 @@ def unwritable_tracking() -> str | None:
 
 def described_tracking() -> tuple[str, str]:
     """("tracking store URI", the variable that sets it), for a message about a run that is not there."""
-    return f"tracking store {mlflow.get_tracking_uri()}", TRACKING
+    return f"tracking store {_without_password(mlflow.get_tracking_uri())}", TRACKING
 
 
 def described_registry() -> tuple[str, str]:
     """("model registry URI", the variable that sets it), for a message about a model that is not there: the
     tracking store's where MLFLOW_REGISTRY_URI names no store apart."""
     uri = _separate_registry_uri()
-    return described_tracking() if uri is None else (f"model registry {uri}", REGISTRY)
+    return described_tracking() if uri is None else (f"model registry {_without_password(uri)}", REGISTRY)
 
 
 def _separate_registry_uri() -> str | None:

@@ -12,9 +12,11 @@ from typing import ClassVar
 
 import mlflow
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from models.registry import build_detector
+from pipeline.cli.errors import OperatorError, model_errors
 from pipeline.cli.main import main
 from pipeline.features import FEATURE_NAMES
 from pipeline.features.spec import FeatureSpec
@@ -161,6 +163,25 @@ def test_promote_moves_the_alias_in_the_registry_and_a_model_it_lacks_is_named_i
     assert int(held.get_model_version_by_alias("held", "champion").version) == 1
     if apart:  # the runs' store holds no registered model
         assert MlflowClient(registry_uri=tracking).search_registered_models() == []
+
+
+@pytest.mark.parametrize("model", ["models:/held@champion", "runs:/abc/model"])
+def test_a_store_that_a_model_did_not_resolve_in_is_named_without_its_password(model, monkeypatch):
+    # The URI of the store asked was printed whole, the database's password with it.
+    tracking, registry = "postgresql://ann:hunter2@db1/runs", "postgresql://bob:s3cret@db2/reg"
+    monkeypatch.setenv(TRACKING, tracking)
+    monkeypatch.setenv(REGISTRY, registry)
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracking)  # as configure_tracking leaves it; nothing is opened
+    try:
+        with pytest.raises(OperatorError) as refused, model_errors(model):
+            raise MlflowException("not found")
+    finally:
+        mlflow.set_tracking_uri(before)
+    message = str(refused.value)
+    assert "hunter2" not in message and "s3cret" not in message
+    named = "model registry postgresql://bob:***@db2/reg" if model.startswith("models:/") else "ann:***@db1"
+    assert named in message
 
 
 # Every command that uses the registry, each refused before it reads any data.
